@@ -1,1 +1,46 @@
-//! placeholder
+//! CPU compute kernels for the llama forward pass: quantized weight matrices (Q4_1 and Q8_0,
+//! repacked at load into 8-row groups), activation quantization, and the small element-wise
+//! ops (RMSNorm, RoPE, SwiGLU, softmax, f16 dot products for attention).
+//!
+//! Every kernel has a portable scalar version beside its AVX2/FMA/F16C version; the backend is
+//! chosen once at run time from the CPU's features ([`Backend::detect`]) and tests run the
+//! same checks over every backend the machine has.
+//!
+//! This crate knows nothing about pages, tenants or models: it takes slices and returns numbers.
+
+mod avx2;
+mod backend;
+mod matrix;
+mod ops;
+mod quant;
+mod scalar;
+
+pub use backend::Backend;
+pub use matrix::{QuantMatrix, WeightFormat};
+pub use ops::{
+    add_in_place, attention_axpy_f16, attention_dot_f16, rms_norm, rope_in_place, silu_mul,
+    softmax_in_place, RopeTable,
+};
+pub use quant::{quantize_acts, ActBlock, QuantActs, BLOCK};
+
+/// Errors from building kernels' data structures out of untrusted bytes.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("matrix {rows}x{cols} has {got} bytes of {format:?} data, expected {expected}")]
+    WrongByteLength {
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        got: usize,
+        expected: usize,
+    },
+    #[error("matrix shape {rows}x{cols} unsupported: rows must be a multiple of 8 and cols of 32")]
+    UnsupportedShape { rows: usize, cols: usize },
+    #[error("cannot concatenate matrices with different column counts or formats")]
+    ConcatMismatch,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests;

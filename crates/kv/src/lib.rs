@@ -1,1 +1,223 @@
-//! placeholder
+//! The paged, owner-tagged KV pool.
+//!
+//! `kv` preallocates every KV page a worker will ever use, tags each page with a header
+//! (owner, generation, state), and hands out KV bytes only through a [`PageView`], which
+//! [`PagePool::verify_batch`] builds after checking a request's [`PageTable`] against those
+//! headers. A view borrows the pool mutably, so no page can be freed or handed to another
+//! request while a view of it exists.
+//!
+//! Invariants kept here (numbers from DESIGN.md):
+//! - **I1 Ownership**: the only way to reach KV bytes is a `PageView`, and the only way to get
+//!   one is a batch whose every page has the owner and the generation its table recorded, is
+//!   in a readable state, and appears once in the whole batch. A table is a claim, never proof.
+//! - **I9 No page leak**, in part: allocation and extension are all or nothing, a release that
+//!   does not verify frees nothing, and `check_invariants` proves the free list and the headers
+//!   agree. That every request eventually releases its pages is the workers' job.
+//!
+//! What this crate is not: it does no I/O, spawns no threads, knows nothing of the model or the
+//! transfer protocol beyond page states, and contains no `unsafe` (each page is its own
+//! allocation, so disjoint mutable borrows come from safe slice splitting). Pages are reused
+//! without zeroing unless `scrub_on_free` is set: the header check, not zeroing, is what keeps
+//! tenants apart.
+#![forbid(unsafe_code)]
+
+mod pool;
+
+pub use pool::{PagePool, PageTable, PageView};
+
+/// The value scrub-on-free writes into every element of a freed page.
+///
+/// Zero by default. Under the `ghost-fill` feature it is a recognisable non-zero "ghost"
+/// value (203.25 as f16, bits 0x5A5A), so tests can tell a scrubbed page from a page that
+/// was never written and any stale read of one stands out.
+#[cfg(not(feature = "ghost-fill"))]
+pub const SCRUB_FILL: half::f16 = half::f16::ZERO;
+/// The value scrub-on-free writes into every element of a freed page (see above).
+#[cfg(feature = "ghost-fill")]
+pub const SCRUB_FILL: half::f16 = half::f16::from_bits(0x5A5A);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(pub u64);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Who a page belongs to: one request of one tenant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub tenant: TenantId,
+    pub request: RequestId,
+}
+
+/// Index of a physical page in one pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageId(pub u32);
+
+/// Bumped every time a page is allocated, so a table kept past its release no longer matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Generation(pub u64);
+
+/// Life cycle of a page. Only `release` makes a page `Free`; only `allocate`/`extend` take one
+/// out of `Free` (into `Writing`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PageState {
+    Free,
+    Writing,
+    Sealed,
+    Sending,
+    Receiving,
+    /// Fate unknown (a transfer may still land bytes in it): neither read nor reused until the
+    /// holder of the table has proof and releases it.
+    Quarantined,
+}
+
+/// The tag every physical page carries. `owner` is `None` exactly when the page is `Free`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageHeader {
+    pub owner: Option<Owner>,
+    pub generation: Generation,
+    pub state: PageState,
+}
+
+/// K or V; the discriminant is the kind's index inside a layer (see [`KvLayout::head_offset`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvKind {
+    Key = 0,
+    Value = 1,
+}
+
+/// Shape of one page: for every layer, K and V, for every kv head, `page_size_tokens` slots of
+/// `head_dim` f16.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layer_count: usize,
+    pub kv_head_count: usize,
+    pub head_dim: usize,
+    pub page_size_tokens: usize,
+}
+
+impl KvLayout {
+    /// Elements (f16) in one page.
+    ///
+    /// Panics if the product overflows `usize`; [`PagePool::new`] refuses such a layout with an
+    /// error first.
+    pub fn page_elems(&self) -> usize {
+        self.checked_page_bytes()
+            .map(|bytes| bytes / 2)
+            .expect("layout overflows usize; PagePool::new refuses such a layout before use")
+    }
+
+    /// Bytes in one page (f16 is two bytes).
+    pub fn page_bytes(&self) -> usize {
+        self.page_elems() * 2
+    }
+
+    /// Pages needed to hold `token_count` tokens (rounded up).
+    pub fn pages_for_tokens(&self, token_count: usize) -> usize {
+        token_count.div_ceil(self.page_size_tokens)
+    }
+
+    /// Elements in one (layer, kind, kv head) of one page: its slots, slot-major.
+    pub fn head_elems(&self) -> usize {
+        self.page_size_tokens * self.head_dim
+    }
+
+    /// Offset of the first element of (layer, kind, kv_head) inside a page; the
+    /// `page_size_tokens * head_dim` elements from there are that head's slots, slot-major
+    /// (`slot * head_dim + d`).
+    ///
+    /// Panics when `layer` or `kv_head` is out of range: an out-of-range index would silently
+    /// address another head's data, so it is a bug, not bad input.
+    pub fn head_offset(&self, layer: usize, kind: KvKind, kv_head: usize) -> usize {
+        assert!(layer < self.layer_count, "layer {layer} out of range");
+        assert!(
+            kv_head < self.kv_head_count,
+            "kv head {kv_head} out of range"
+        );
+        ((layer * 2 + kind as usize) * self.kv_head_count + kv_head) * self.head_elems()
+    }
+
+    /// `page_bytes`, or `None` when a dimension is zero or the size overflows `usize`.
+    fn checked_page_bytes(&self) -> Option<usize> {
+        let dims = [
+            self.layer_count,
+            self.kv_head_count,
+            self.head_dim,
+            self.page_size_tokens,
+        ];
+        if dims.contains(&0) {
+            return None;
+        }
+        // Two kinds (K, V) and two bytes per f16.
+        dims.iter()
+            .try_fold(4usize, |acc, &dim| acc.checked_mul(dim))
+    }
+}
+
+/// How big a pool to build; rounded down to whole pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolSize {
+    Tokens(usize),
+    Bytes(usize),
+}
+
+/// Everything `PagePool::new` needs. No `Default`: a pool size is always a decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    pub layout: KvLayout,
+    pub size: PoolSize,
+    /// Overwrite a page with [`SCRUB_FILL`] when it is freed (costs a memset per page).
+    pub scrub_on_free: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("KV layout {layout:?} has a zero dimension or a page size that overflows usize")]
+    BadLayout { layout: KvLayout },
+    #[error(
+        "pool size {size:?} holds zero whole pages of {page_size_tokens} tokens \
+         ({page_bytes} bytes); give at least one page"
+    )]
+    PoolTooSmall {
+        size: PoolSize,
+        page_size_tokens: usize,
+        page_bytes: usize,
+    },
+    #[error("pool size {size:?} is {page_count} pages, over the {max} a PageId can name")]
+    TooManyPages {
+        size: PoolSize,
+        page_count: usize,
+        max: usize,
+    },
+    #[error("out of KV pages: {needed} needed, {free} free")]
+    OutOfPages { needed: usize, free: usize },
+    #[error("page {page:?} does not exist in this pool")]
+    UnknownPage { page: PageId },
+    #[error("page {page:?} belongs to {found:?}, the table claims {expected:?}")]
+    OwnerMismatch {
+        page: PageId,
+        expected: Owner,
+        found: Option<Owner>,
+    },
+    #[error("page {page:?} is at generation {found:?}, the table recorded {expected:?}")]
+    StaleGeneration {
+        page: PageId,
+        expected: Generation,
+        found: Generation,
+    },
+    #[error("page {page:?} is {state:?}; only Writing or Sealed pages can be viewed")]
+    PageNotReadable { page: PageId, state: PageState },
+    #[error("page {page:?} appears more than once in one batch or table")]
+    DuplicatePage { page: PageId },
+    #[error("page {page:?} cannot go from {from:?} to {to:?}")]
+    InvalidTransition {
+        page: PageId,
+        from: PageState,
+        to: PageState,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,311 @@
+//! Quantized weight matrices, repacked at load into groups of 8 rows so one SIMD pass computes
+//! 8 output rows at once from a single load of the activation block.
+//!
+//! Q4_1 group block (one 32-column block of 8 rows): `qs` holds the rows' packed nibbles as four
+//! 32-byte pairs `[row 2p | row 2p+1]`, and `d`/`m` the f16 scales in the lane order the AVX2
+//! reduction produces (`LANE_ROW`). Q8_0 group block: 8 rows of 32 signed bytes, scales in row
+//! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
+
+use crate::{avx2, scalar, Backend, Error, QuantActs, Result, BLOCK};
+use rayon::prelude::*;
+
+/// Rows per group: one AVX2 register of f32 results.
+pub(crate) const GROUP_ROWS: usize = 8;
+/// The row each output lane of the Q4_1 reduction holds (see `avx2::q41_group`).
+pub(crate) const Q41_LANE_ROW: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// The on-disk weight formats we can load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    Q4_1,
+    Q8_0,
+}
+
+impl WeightFormat {
+    /// Bytes of one 32-value block in the GGUF file.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightFormat::Q4_1 => 20,
+            WeightFormat::Q8_0 => 34,
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub(crate) struct Q41GroupBlock {
+    pub qs: [u8; 128],
+    pub d: [u16; 8],
+    pub m: [u16; 8],
+}
+
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub(crate) struct Q80GroupBlock {
+    pub qs: [i8; 256],
+    pub d: [u16; 8],
+}
+
+#[derive(Clone)]
+enum Storage {
+    Q41(Vec<Q41GroupBlock>),
+    Q80(Vec<Q80GroupBlock>),
+}
+
+/// A `rows × cols` quantized matrix; `matmul` computes `out[t][r] = Σ_c W[r][c] · x[t][c]`.
+#[derive(Clone)]
+pub struct QuantMatrix {
+    rows: usize,
+    cols: usize,
+    storage: Storage,
+}
+
+impl QuantMatrix {
+    /// Repacks a GGUF tensor's bytes (row-major blocks) into 8-row groups.
+    pub fn from_gguf_bytes(
+        format: WeightFormat,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<QuantMatrix> {
+        if rows == 0 || cols == 0 || rows % GROUP_ROWS != 0 || cols % BLOCK != 0 {
+            return Err(Error::UnsupportedShape { rows, cols });
+        }
+        let blocks_per_row = cols / BLOCK;
+        let expected = rows
+            .checked_mul(blocks_per_row)
+            .and_then(|n| n.checked_mul(format.block_bytes()))
+            .ok_or(Error::UnsupportedShape { rows, cols })?;
+        if bytes.len() != expected {
+            return Err(Error::WrongByteLength {
+                format,
+                rows,
+                cols,
+                got: bytes.len(),
+                expected,
+            });
+        }
+        let row_bytes = blocks_per_row * format.block_bytes();
+        let source_block = |row: usize, block: usize| {
+            let start = row * row_bytes + block * format.block_bytes();
+            &bytes[start..start + format.block_bytes()]
+        };
+        let group_count = rows / GROUP_ROWS;
+        let storage = match format {
+            WeightFormat::Q4_1 => {
+                let mut out = Vec::with_capacity(group_count * blocks_per_row);
+                for group in 0..group_count {
+                    for block in 0..blocks_per_row {
+                        out.push(pack_q41(|r| source_block(group * GROUP_ROWS + r, block)));
+                    }
+                }
+                Storage::Q41(out)
+            }
+            WeightFormat::Q8_0 => {
+                let mut out = Vec::with_capacity(group_count * blocks_per_row);
+                for group in 0..group_count {
+                    for block in 0..blocks_per_row {
+                        out.push(pack_q80(|r| source_block(group * GROUP_ROWS + r, block)));
+                    }
+                }
+                Storage::Q80(out)
+            }
+        };
+        Ok(QuantMatrix {
+            rows,
+            cols,
+            storage,
+        })
+    }
+
+    /// Stacks matrices with the same width and format (e.g. Q, K and V into one QKV matrix, so
+    /// one pass over the input serves all three).
+    pub fn concat_rows(parts: &[QuantMatrix]) -> Result<QuantMatrix> {
+        let first = parts.first().ok_or(Error::ConcatMismatch)?;
+        let cols = first.cols;
+        let mut rows = 0;
+        let mut storage = match first.storage {
+            Storage::Q41(_) => Storage::Q41(Vec::new()),
+            Storage::Q80(_) => Storage::Q80(Vec::new()),
+        };
+        for part in parts {
+            if part.cols != cols {
+                return Err(Error::ConcatMismatch);
+            }
+            rows += part.rows;
+            match (&mut storage, &part.storage) {
+                (Storage::Q41(all), Storage::Q41(p)) => all.extend_from_slice(p),
+                (Storage::Q80(all), Storage::Q80(p)) => all.extend_from_slice(p),
+                _ => return Err(Error::ConcatMismatch),
+            }
+        }
+        Ok(QuantMatrix {
+            rows,
+            cols,
+            storage,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn format(&self) -> WeightFormat {
+        match self.storage {
+            Storage::Q41(_) => WeightFormat::Q4_1,
+            Storage::Q80(_) => WeightFormat::Q8_0,
+        }
+    }
+
+    /// Bytes of weight data held.
+    pub fn bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Q41(v) => std::mem::size_of_val(v.as_slice()),
+            Storage::Q80(v) => std::mem::size_of_val(v.as_slice()),
+        }
+    }
+
+    /// Dequantizes one row into `out` (`cols` values): the embedding lookup.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "row index within the matrix");
+        assert_eq!(out.len(), self.cols, "output holds one row");
+        let blocks_per_row = self.cols / BLOCK;
+        let (group, lane_row) = (row / GROUP_ROWS, row % GROUP_ROWS);
+        let chunks = out.chunks_exact_mut(BLOCK);
+        match &self.storage {
+            Storage::Q41(blocks) => {
+                let group_blocks = &blocks[group * blocks_per_row..(group + 1) * blocks_per_row];
+                for (chunk, block) in chunks.zip(group_blocks) {
+                    scalar::dequantize_q41(block, lane_row, chunk);
+                }
+            }
+            Storage::Q80(blocks) => {
+                let group_blocks = &blocks[group * blocks_per_row..(group + 1) * blocks_per_row];
+                for (chunk, block) in chunks.zip(group_blocks) {
+                    scalar::dequantize_q80(block, lane_row, chunk);
+                }
+            }
+        }
+    }
+
+    /// `out[t * rows + r] = W[r] · acts[t]`, spread over the current rayon pool by row groups.
+    pub fn matmul(&self, backend: Backend, acts: &QuantActs, out: &mut [f32]) {
+        assert_eq!(
+            acts.cols(),
+            self.cols,
+            "activation width matches the matrix"
+        );
+        let tokens = acts.rows();
+        assert_eq!(
+            out.len(),
+            tokens * self.rows,
+            "output holds tokens*rows values"
+        );
+        if tokens == 1 {
+            self.matmul_transposed(backend, acts, out);
+            return;
+        }
+        // Each task writes whole rows for every token: compute transposed, then turn around.
+        let mut transposed = vec![0f32; out.len()];
+        self.matmul_transposed(backend, acts, &mut transposed);
+        for (row, values) in transposed.chunks_exact(tokens).enumerate() {
+            for (token, value) in values.iter().enumerate() {
+                out[token * self.rows + row] = *value;
+            }
+        }
+    }
+
+    /// `out[r * tokens + t] = W[r] · acts[t]`.
+    fn matmul_transposed(&self, backend: Backend, acts: &QuantActs, out: &mut [f32]) {
+        let tokens = acts.rows();
+        let blocks_per_row = self.cols / BLOCK;
+        let group_count = self.rows / GROUP_ROWS;
+        let tasks_wanted = rayon::current_num_threads() * 4;
+        let groups_per_task = group_count.div_ceil(tasks_wanted).max(1);
+        let floats_per_task = groups_per_task * GROUP_ROWS * tokens;
+        let group_blocks = blocks_per_row * groups_per_task;
+        match &self.storage {
+            Storage::Q41(blocks) => out
+                .par_chunks_mut(floats_per_task)
+                .zip(blocks.par_chunks(group_blocks))
+                .for_each(|(out, blocks)| {
+                    let groups = blocks.chunks_exact(blocks_per_row);
+                    for (out, group) in out.chunks_exact_mut(GROUP_ROWS * tokens).zip(groups) {
+                        q41_group(backend, group, acts, out);
+                    }
+                }),
+            Storage::Q80(blocks) => out
+                .par_chunks_mut(floats_per_task)
+                .zip(blocks.par_chunks(group_blocks))
+                .for_each(|(out, blocks)| {
+                    let groups = blocks.chunks_exact(blocks_per_row);
+                    for (out, group) in out.chunks_exact_mut(GROUP_ROWS * tokens).zip(groups) {
+                        q80_group(backend, group, acts, out);
+                    }
+                }),
+        }
+    }
+}
+
+fn q41_group(backend: Backend, group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+    match backend {
+        Backend::Scalar => scalar::q41_group(group, acts, out),
+        Backend::Avx2 => avx2::q41_group(group, acts, out),
+    }
+}
+
+fn q80_group(backend: Backend, group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+    match backend {
+        Backend::Scalar => scalar::q80_group(group, acts, out),
+        Backend::Avx2 => avx2::q80_group(group, acts, out),
+    }
+}
+
+fn f16_bits(bytes: &[u8]) -> u16 {
+    u16::from_le_bytes([bytes[0], bytes[1]])
+}
+
+/// Packs one 32-column block of 8 rows; `source(r)` is row r's 20-byte GGUF block
+/// (f16 d, f16 m, 16 bytes of nibbles).
+fn pack_q41<'a>(source: impl Fn(usize) -> &'a [u8]) -> Q41GroupBlock {
+    let mut packed = Q41GroupBlock {
+        qs: [0; 128],
+        d: [0; 8],
+        m: [0; 8],
+    };
+    for row in 0..GROUP_ROWS {
+        let src = source(row);
+        let start = (row / 2) * 32 + (row % 2) * 16;
+        packed.qs[start..start + 16].copy_from_slice(&src[4..20]);
+    }
+    for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
+        let src = source(row);
+        packed.d[lane] = f16_bits(&src[0..2]);
+        packed.m[lane] = f16_bits(&src[2..4]);
+    }
+    packed
+}
+
+/// Packs one 32-column block of 8 rows; `source(r)` is row r's 34-byte GGUF block
+/// (f16 d, 32 signed bytes).
+fn pack_q80<'a>(source: impl Fn(usize) -> &'a [u8]) -> Q80GroupBlock {
+    let mut packed = Q80GroupBlock {
+        qs: [0; 256],
+        d: [0; 8],
+    };
+    for row in 0..GROUP_ROWS {
+        let src = source(row);
+        packed.d[row] = f16_bits(&src[0..2]);
+        for (dst, &byte) in packed.qs[row * 32..(row + 1) * 32]
+            .iter_mut()
+            .zip(&src[2..34])
+        {
+            *dst = byte as i8;
+        }
+    }
+    packed
+}

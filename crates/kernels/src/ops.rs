@@ -1,0 +1,118 @@
+//! Element-wise and small vector ops of the llama block. Their arithmetic follows llama.cpp's
+//! CPU reference where it affects results (f64 sums in RMSNorm and softmax, f32 RoPE angles
+//! built by repeated multiplication), so greedy decoding can match it token for token.
+
+use crate::{avx2, scalar, Backend};
+use half::f16;
+
+/// `out = x / rms(x) * weight`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), weight.len(), "norm weight matches the row width");
+    assert_eq!(x.len(), out.len(), "norm output matches the row width");
+    let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let mean = (sum_sq / x.len() as f64) as f32;
+    let scale = 1.0 / (mean + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = (v * scale) * w;
+    }
+}
+
+/// `acc += x`, the residual connection.
+pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
+    assert_eq!(acc.len(), x.len(), "residual operands have equal length");
+    for (a, &v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+/// `gate = silu(gate) * up`, the SwiGLU activation.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gate and up have equal length");
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// Softmax in place; returns nothing, the row sums to 1 afterwards.
+pub fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `q · k` with `k` stored as f16 (the KV cache's element type).
+pub fn attention_dot_f16(backend: Backend, q: &[f32], k: &[f16]) -> f32 {
+    match backend {
+        Backend::Scalar => scalar::dot_f16(q, k),
+        Backend::Avx2 => avx2::dot_f16(q, k),
+    }
+}
+
+/// `out += weight * v` with `v` stored as f16.
+pub fn attention_axpy_f16(backend: Backend, out: &mut [f32], weight: f32, v: &[f16]) {
+    match backend {
+        Backend::Scalar => scalar::axpy_f16(out, weight, v),
+        Backend::Avx2 => avx2::axpy_f16(out, weight, v),
+    }
+}
+
+/// Precomputed rotary-embedding angles for positions `0..positions` ("normal" llama rotation of
+/// adjacent pairs).
+pub struct RopeTable {
+    head_dim: usize,
+    positions: usize,
+    /// `[pos][pair] -> (cos, sin)`.
+    cos_sin: Vec<(f32, f32)>,
+}
+
+impl RopeTable {
+    pub fn new(head_dim: usize, freq_base: f32, positions: usize) -> RopeTable {
+        assert!(head_dim % 2 == 0, "rotary dimension is even");
+        let pairs = head_dim / 2;
+        let theta_scale = freq_base.powf(-2.0 / head_dim as f32);
+        let mut cos_sin = Vec::with_capacity(positions * pairs);
+        for pos in 0..positions {
+            let mut theta = pos as f32;
+            for _ in 0..pairs {
+                cos_sin.push((theta.cos(), theta.sin()));
+                theta *= theta_scale;
+            }
+        }
+        RopeTable {
+            head_dim,
+            positions,
+            cos_sin,
+        }
+    }
+
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+
+    /// Rotates every head in `x` (a whole number of heads) for position `pos`.
+    pub fn apply(&self, x: &mut [f32], pos: usize) {
+        rope_in_place(self, x, pos)
+    }
+}
+
+/// Rotates every `head_dim`-wide head of `x` by the angles of position `pos`.
+pub fn rope_in_place(table: &RopeTable, x: &mut [f32], pos: usize) {
+    assert!(pos < table.positions, "position within the rope table");
+    assert_eq!(x.len() % table.head_dim, 0, "a whole number of heads");
+    let pairs = table.head_dim / 2;
+    let angles = &table.cos_sin[pos * pairs..(pos + 1) * pairs];
+    for head in x.chunks_exact_mut(table.head_dim) {
+        for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(angles) {
+            let (x0, x1) = (pair[0], pair[1]);
+            pair[0] = x0 * cos - x1 * sin;
+            pair[1] = x0 * sin + x1 * cos;
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! Portable reference kernels. They define what the SIMD kernels must compute.
+
+use crate::matrix::{Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+use crate::QuantActs;
+use half::f16;
+
+fn f16_to_f32(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+/// Where row `row` of a group sits among the Q4_1 scale lanes.
+fn q41_lane(row: usize) -> usize {
+    Q41_LANE_ROW
+        .iter()
+        .position(|&r| r == row)
+        .expect("every row of a group has a lane")
+}
+
+fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
+    let start = (row / 2) * 32 + (row % 2) * 16;
+    &block.qs[start..start + 16]
+}
+
+/// Computes 8 rows × every token; `out[r * tokens + t]`.
+pub(crate) fn q41_group(group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+    let tokens = acts.rows();
+    for row in 0..GROUP_ROWS {
+        let lane = q41_lane(row);
+        for token in 0..tokens {
+            let mut sum = 0f32;
+            for (w, a) in group.iter().zip(acts.row(token)) {
+                let nibbles = q41_row_nibbles(w, row);
+                let mut sumi = 0i32;
+                for (j, &byte) in nibbles.iter().enumerate() {
+                    sumi += (byte & 0x0F) as i32 * a.qs[j] as i32;
+                    sumi += (byte >> 4) as i32 * a.qs[j + 16] as i32;
+                }
+                sum += f16_to_f32(w.d[lane]) * a.d * sumi as f32 + f16_to_f32(w.m[lane]) * a.s;
+            }
+            out[row * tokens + token] = sum;
+        }
+    }
+}
+
+/// Computes 8 rows × every token; `out[r * tokens + t]`.
+pub(crate) fn q80_group(group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+    let tokens = acts.rows();
+    for row in 0..GROUP_ROWS {
+        for token in 0..tokens {
+            let mut sum = 0f32;
+            for (w, a) in group.iter().zip(acts.row(token)) {
+                let weights = &w.qs[row * 32..(row + 1) * 32];
+                let sumi: i32 = weights
+                    .iter()
+                    .zip(&a.qs)
+                    .map(|(&x, &y)| x as i32 * y as i32)
+                    .sum();
+                sum += f16_to_f32(w.d[row]) * a.d * sumi as f32;
+            }
+            out[row * tokens + token] = sum;
+        }
+    }
+}
+
+pub(crate) fn dequantize_q41(block: &Q41GroupBlock, row: usize, out: &mut [f32]) {
+    let lane = q41_lane(row);
+    let (d, m) = (f16_to_f32(block.d[lane]), f16_to_f32(block.m[lane]));
+    for (j, &byte) in q41_row_nibbles(block, row).iter().enumerate() {
+        out[j] = d * (byte & 0x0F) as f32 + m;
+        out[j + 16] = d * (byte >> 4) as f32 + m;
+    }
+}
+
+pub(crate) fn dequantize_q80(block: &Q80GroupBlock, row: usize, out: &mut [f32]) {
+    let d = f16_to_f32(block.d[row]);
+    for (o, &q) in out.iter_mut().zip(&block.qs[row * 32..(row + 1) * 32]) {
+        *o = d * q as f32;
+    }
+}
+
+pub(crate) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
+    q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum()
+}
+
+pub(crate) fn axpy_f16(out: &mut [f32], weight: f32, v: &[f16]) {
+    for (o, x) in out.iter_mut().zip(v) {
+        *o += weight * x.to_f32();
+    }
+}

@@ -1,0 +1,261 @@
+use crate::*;
+use half::f16;
+use proptest::prelude::*;
+
+/// A deterministic pseudo-random stream (xorshift) for test data.
+struct Rng(u64);
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn byte(&mut self) -> u8 {
+        self.next_u64() as u8
+    }
+}
+
+/// GGUF-layout Q4_1 bytes for a random `rows × cols` matrix, and its dequantized values.
+fn random_q41(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.f32().abs() * 0.1);
+        let m = f16::from_f32(rng.f32() * 0.5);
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        bytes.extend_from_slice(&m.to_bits().to_le_bytes());
+        let nibbles: Vec<u8> = (0..16).map(|_| rng.byte()).collect();
+        let mut block = [0f32; 32];
+        for (j, &b) in nibbles.iter().enumerate() {
+            block[j] = d.to_f32() * (b & 15) as f32 + m.to_f32();
+            block[j + 16] = d.to_f32() * (b >> 4) as f32 + m.to_f32();
+        }
+        bytes.extend_from_slice(&nibbles);
+        values.extend_from_slice(&block);
+    }
+    (bytes, values)
+}
+
+fn random_q80(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.f32().abs() * 0.01);
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        for _ in 0..32 {
+            let q = (rng.byte() as i8).max(-127);
+            bytes.push(q as u8);
+            values.push(d.to_f32() * q as f32);
+        }
+    }
+    (bytes, values)
+}
+
+fn naive_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> Vec<f32> {
+    let mut out = vec![0f32; tokens * rows];
+    for t in 0..tokens {
+        for r in 0..rows {
+            out[t * rows + r] = (0..cols)
+                .map(|c| w[r * cols + c] as f64 * x[t * cols + c] as f64)
+                .sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+fn check_matmul(format: WeightFormat, rows: usize, cols: usize, tokens: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    let (bytes, values) = match format {
+        WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
+        WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
+    };
+    let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+    let mut acts = QuantActs::default();
+    quantize_acts(&x, tokens, cols, &mut acts);
+    let expected = naive_matmul(&values, rows, cols, &x, tokens);
+    let mut results = Vec::new();
+    for backend in Backend::available() {
+        let mut out = vec![0f32; tokens * rows];
+        matrix.matmul(backend, &acts, &mut out);
+        // Activation quantization error: ~|w|·|x|·sqrt(cols)/254 per output.
+        let scale = expected.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
+            assert!(
+                (got - want).abs() <= 0.02 * scale,
+                "{format:?} {backend:?} out[{i}] = {got}, want {want} (scale {scale})"
+            );
+        }
+        results.push(out);
+    }
+    // Every backend computes the same integer sums; only float summation order differs.
+    for other in &results[1..] {
+        for (a, b) in results[0].iter().zip(other) {
+            assert!(
+                (a - b).abs() <= 1e-4 * (1.0 + a.abs()),
+                "backends disagree: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn q41_matmul_matches_dequantized_reference_on_every_backend() {
+    check_matmul(WeightFormat::Q4_1, 64, 96, 1, 1);
+    check_matmul(WeightFormat::Q4_1, 8, 32, 3, 2);
+    check_matmul(WeightFormat::Q4_1, 136, 576, 5, 3);
+}
+
+#[test]
+fn q80_matmul_matches_dequantized_reference_on_every_backend() {
+    check_matmul(WeightFormat::Q8_0, 64, 96, 1, 4);
+    check_matmul(WeightFormat::Q8_0, 8, 32, 4, 5);
+    check_matmul(WeightFormat::Q8_0, 200, 576, 2, 6);
+}
+
+#[test]
+fn dequantize_row_recovers_every_row() {
+    let mut rng = Rng(7);
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let (rows, cols) = (24, 64);
+        let (bytes, values) = match format {
+            WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
+            WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
+        };
+        let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            matrix.dequantize_row(r, &mut row);
+            assert_eq!(
+                &row[..],
+                &values[r * cols..(r + 1) * cols],
+                "{format:?} row {r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn concat_rows_stacks_matrices() {
+    let mut rng = Rng(8);
+    let (a_bytes, a_vals) = random_q41(&mut rng, 16, 64);
+    let (b_bytes, b_vals) = random_q41(&mut rng, 8, 64);
+    let a = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 16, 64, &a_bytes).unwrap();
+    let b = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 8, 64, &b_bytes).unwrap();
+    let ab = QuantMatrix::concat_rows(&[a, b.clone()]).unwrap();
+    assert_eq!(ab.rows(), 24);
+    let mut row = vec![0f32; 64];
+    ab.dequantize_row(3, &mut row);
+    assert_eq!(&row[..], &a_vals[3 * 64..4 * 64]);
+    ab.dequantize_row(20, &mut row);
+    assert_eq!(&row[..], &b_vals[4 * 64..5 * 64]);
+    let (c_bytes, _) = random_q41(&mut rng, 8, 32);
+    let c = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 8, 32, &c_bytes).unwrap();
+    assert!(matches!(
+        QuantMatrix::concat_rows(&[b, c]),
+        Err(Error::ConcatMismatch)
+    ));
+}
+
+#[test]
+fn bad_shapes_and_lengths_are_errors() {
+    let bytes = vec![0u8; 20 * 2];
+    assert!(matches!(
+        QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 2, 32, &bytes),
+        Err(Error::UnsupportedShape { .. })
+    ));
+    assert!(matches!(
+        QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 8, 32, &bytes),
+        Err(Error::WrongByteLength {
+            expected: 160,
+            got: 40,
+            ..
+        })
+    ));
+    assert!(matches!(
+        QuantMatrix::from_gguf_bytes(WeightFormat::Q8_0, usize::MAX / 8 * 8, 64, &bytes),
+        Err(Error::UnsupportedShape { .. })
+    ));
+}
+
+#[test]
+fn quantized_activations_round_trip_within_half_a_step() {
+    let mut rng = Rng(9);
+    let x: Vec<f32> = (0..128).map(|_| rng.f32() * 3.0).collect();
+    let mut acts = QuantActs::default();
+    quantize_acts(&x, 2, 64, &mut acts);
+    for (row, chunk) in x.chunks(64).enumerate() {
+        for (block, values) in acts.row(row).iter().zip(chunk.chunks(32)) {
+            let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
+            assert!((block.s - block.d * sum as f32).abs() <= 1e-2 * block.s.abs().max(1e-3));
+            for (&q, &v) in block.qs.iter().zip(values) {
+                assert!((q as f32 * block.d - v).abs() <= block.d * 0.51 + 1e-3);
+            }
+        }
+    }
+}
+
+#[test]
+fn f16_dot_and_axpy_agree_across_backends() {
+    let mut rng = Rng(10);
+    for len in [1, 7, 8, 64, 67] {
+        let q: Vec<f32> = (0..len).map(|_| rng.f32()).collect();
+        let k: Vec<f16> = (0..len).map(|_| f16::from_f32(rng.f32())).collect();
+        let want: f32 = q.iter().zip(&k).map(|(a, b)| a * b.to_f32()).sum();
+        for backend in Backend::available() {
+            let got = attention_dot_f16(backend, &q, &k);
+            assert!(
+                (got - want).abs() < 1e-4,
+                "{backend:?} len {len}: {got} vs {want}"
+            );
+            let mut out = q.clone();
+            attention_axpy_f16(backend, &mut out, 0.5, &k);
+            for ((o, a), b) in out.iter().zip(&q).zip(&k) {
+                assert!((o - (a + 0.5 * b.to_f32())).abs() < 1e-6);
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_rotates_pairs_and_position_zero_is_identity() {
+    let table = RopeTable::new(4, 10000.0, 8);
+    let mut x = vec![1.0, 2.0, 3.0, 4.0];
+    rope_in_place(&table, &mut x, 0);
+    assert_eq!(x, vec![1.0, 2.0, 3.0, 4.0]);
+    rope_in_place(&table, &mut x, 1);
+    let (c, s) = (1f32.cos(), 1f32.sin());
+    assert!((x[0] - (c - 2.0 * s)).abs() < 1e-6 && (x[1] - (s + 2.0 * c)).abs() < 1e-6);
+    // Rotation preserves the norm of each pair.
+    assert!(((x[2] * x[2] + x[3] * x[3]) - 25.0).abs() < 1e-4);
+}
+
+#[test]
+fn rms_norm_and_softmax_basics() {
+    let mut out = vec![0f32; 4];
+    rms_norm(&[1.0, -1.0, 1.0, -1.0], &[2.0; 4], 0.0, &mut out);
+    assert_eq!(out, vec![2.0, -2.0, 2.0, -2.0]);
+    let mut p = vec![0.0, 0.0, f32::NEG_INFINITY, 2f32.ln()];
+    softmax_in_place(&mut p);
+    assert!((p[0] - 0.25).abs() < 1e-6 && p[2] == 0.0 && (p[3] - 0.5).abs() < 1e-6);
+}
+
+proptest! {
+    #[test]
+    fn matmul_never_panics_on_arbitrary_weight_bytes(bytes in proptest::collection::vec(any::<u8>(), 8 * 34 * 2)) {
+        for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+            let len = 8 * 2 * format.block_bytes();
+            let matrix = QuantMatrix::from_gguf_bytes(format, 8, 64, &bytes[..len]).unwrap();
+            let mut acts = QuantActs::default();
+            quantize_acts(&[0.5; 64], 1, 64, &mut acts);
+            for backend in Backend::available() {
+                let mut out = vec![0f32; 8];
+                matrix.matmul(backend, &acts, &mut out);
+            }
+        }
+    }
+}

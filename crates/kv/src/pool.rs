@@ -1,0 +1,505 @@
+//! The pool itself: headers, page storage, the free list, and the one checked road to KV bytes.
+
+use std::fmt;
+
+use half::f16;
+
+use crate::{
+    Error, Generation, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
+    PoolSize, Result, SCRUB_FILL,
+};
+
+/// A request's pages, as it recorded them: (page, generation at allocation). NOT proof of
+/// anything: every use goes back to the headers through the pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PageTable {
+    owner: Owner,
+    pages: Vec<(PageId, Generation)>,
+}
+
+/// A fixed set of preallocated, owner-tagged KV pages.
+pub struct PagePool {
+    layout: KvLayout,
+    scrub_on_free: bool,
+    /// One header per page, indexed by `PageId`.
+    headers: Vec<PageHeader>,
+    /// One allocation per page, so a batch can hold disjoint `&mut` to several pages through
+    /// safe slice splitting, without `unsafe`.
+    storage: Vec<Box<[f16]>>,
+    /// LIFO: the most recently freed page is reused first, which makes a stale read show up
+    /// at once in tests instead of hiding behind untouched pages.
+    free: Vec<PageId>,
+}
+
+/// Proof that a table's pages were checked: `&'p mut` to exactly the table's pages, in table
+/// order. Only [`PagePool::verify_batch`] makes one, and it borrows the pool for `'p`, so no
+/// page in a view can be released or reallocated while the view lives.
+pub struct PageView<'p> {
+    owner: Owner,
+    layout: KvLayout,
+    pages: Vec<&'p mut [f16]>,
+}
+
+impl PageTable {
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    pub fn pages(&self) -> &[(PageId, Generation)] {
+        &self.pages
+    }
+
+    /// Tokens the recorded pages can hold under `layout`.
+    pub fn capacity_tokens(&self, layout: &KvLayout) -> usize {
+        self.pages.len() * layout.page_size_tokens
+    }
+
+    /// A table that claims whatever pages it is given: for tests that attack the pool with
+    /// tables it never issued.
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn forge(owner: Owner, pages: Vec<(PageId, Generation)>) -> PageTable {
+        PageTable { owner, pages }
+    }
+}
+
+/// What state a checked page must be in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Its bytes are about to be handed out: `Writing` or `Sealed` only.
+    Bytes,
+    /// Only its header changes (release, extend, state change): any state the owner holds.
+    Header,
+}
+
+/// One page a batch claims, and where it goes back: table `table_index`, slot `position`.
+struct Claim {
+    page: PageId,
+    table_index: usize,
+    position: usize,
+}
+
+impl PagePool {
+    /// Preallocates and zeroes every page. Pages are never zeroed again unless
+    /// `scrub_on_free` is set.
+    pub fn new(config: PoolConfig) -> Result<PagePool> {
+        let layout = config.layout;
+        let page_bytes = layout.checked_page_bytes().ok_or(Error::BadLayout {
+            layout: config.layout,
+        })?;
+        let page_count = match config.size {
+            PoolSize::Tokens(tokens) => tokens / layout.page_size_tokens,
+            PoolSize::Bytes(bytes) => bytes / page_bytes,
+        };
+        if page_count == 0 {
+            return Err(Error::PoolTooSmall {
+                size: config.size,
+                page_size_tokens: layout.page_size_tokens,
+                page_bytes,
+            });
+        }
+        let max = u32::MAX as usize;
+        if page_count > max {
+            return Err(Error::TooManyPages {
+                size: config.size,
+                page_count,
+                max,
+            });
+        }
+        let page_elems = layout.page_elems();
+        let header = PageHeader {
+            owner: None,
+            generation: Generation(0),
+            state: PageState::Free,
+        };
+        Ok(PagePool {
+            layout,
+            scrub_on_free: config.scrub_on_free,
+            headers: vec![header; page_count],
+            storage: (0..page_count)
+                .map(|_| vec![f16::ZERO; page_elems].into_boxed_slice())
+                .collect(),
+            // Reversed so that a fresh pool hands out page 0 first.
+            free: (0..page_count as u32).rev().map(PageId).collect(),
+        })
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn page_count(&self) -> usize {
+        self.headers.len()
+    }
+
+    pub fn pages_free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages currently in `state` (a scan: for metrics, not the hot path).
+    pub fn pages_in_state(&self, state: PageState) -> usize {
+        self.headers
+            .iter()
+            .filter(|header| header.state == state)
+            .count()
+    }
+
+    pub fn capacity_tokens(&self) -> usize {
+        self.page_count() * self.layout.page_size_tokens
+    }
+
+    /// Bytes of KV storage (headers not counted).
+    pub fn bytes(&self) -> usize {
+        self.page_count() * self.layout.page_bytes()
+    }
+
+    pub fn header(&self, page: PageId) -> Option<&PageHeader> {
+        self.headers.get(page.index())
+    }
+
+    /// Allocate enough pages for `token_count` tokens to `owner`, all or nothing. Bumps each
+    /// page's generation and puts it in `Writing`. Zero tokens gives an empty table.
+    ///
+    /// Short of pages, returns `Error::OutOfPages` and changes nothing.
+    pub fn allocate(&mut self, owner: Owner, token_count: usize) -> Result<PageTable> {
+        let needed = self.layout.pages_for_tokens(token_count);
+        let mut table = PageTable {
+            owner,
+            pages: Vec::with_capacity(needed),
+        };
+        self.take_free_pages(&mut table, needed)?;
+        Ok(table)
+    }
+
+    /// Grow `table` to hold at least `token_count` tokens: verify it first, then all or
+    /// nothing. A table that already holds that many tokens is left as it is.
+    pub fn extend(&mut self, table: &mut PageTable, token_count: usize) -> Result<()> {
+        self.verify_tables(&[table], Access::Header)?;
+        let needed = self
+            .layout
+            .pages_for_tokens(token_count)
+            .saturating_sub(table.pages.len());
+        self.take_free_pages(table, needed)
+    }
+
+    /// Free the table's pages after verifying that every page still belongs to it (owner and
+    /// generation), scrubbing them if configured. A table that does not verify frees nothing.
+    ///
+    /// Any state the owner holds can be released, `Quarantined` included: releasing is how
+    /// the holder says the proof has arrived.
+    pub fn release(&mut self, table: PageTable) -> Result<()> {
+        self.verify_tables(&[&table], Access::Header)?;
+        // Pushed in reverse so the next allocation pops them back in the table's order.
+        for &(page, _) in table.pages.iter().rev() {
+            let header = &mut self.headers[page.index()];
+            assert!(
+                header.state != PageState::Free,
+                "verified page {page:?} is already free"
+            );
+            header.owner = None;
+            header.state = PageState::Free;
+            if self.scrub_on_free {
+                self.storage[page.index()].fill(SCRUB_FILL);
+            }
+            self.free.push(page);
+        }
+        Ok(())
+    }
+
+    /// Move every page of a verified table to `state`, all or nothing.
+    ///
+    /// Allowed moves (each state may also be set again): Writing -> Sealed | Receiving |
+    /// Quarantined; Sealed -> Writing (decode appends into a received page's spare slots) |
+    /// Sending | Quarantined; Sending -> Sealed (transfer aborted, pages kept) | Quarantined;
+    /// Receiving -> Sealed (transfer verified, I4) | Quarantined. Nothing leaves Quarantined
+    /// but `release`, and nothing becomes Free but through `release`.
+    pub fn set_state(&mut self, table: &PageTable, state: PageState) -> Result<()> {
+        self.verify_tables(&[table], Access::Header)?;
+        for &(page, _) in &table.pages {
+            let from = self.headers[page.index()].state;
+            if !transition_allowed(from, state) {
+                return Err(Error::InvalidTransition {
+                    page,
+                    from,
+                    to: state,
+                });
+            }
+        }
+        for &(page, _) in &table.pages {
+            self.headers[page.index()].state = state;
+        }
+        Ok(())
+    }
+
+    /// The only way to touch KV bytes. Checks every page of every table (owner and generation
+    /// match the header, state is `Writing` or `Sealed`, no page appears twice across the
+    /// whole batch) and returns one view per table, in order.
+    ///
+    /// Cost: O(k log k) for the k pages of the batch (a sort that also finds duplicates), none
+    /// of it proportional to the pool's size.
+    pub fn verify_batch<'p>(&'p mut self, tables: &[&PageTable]) -> Result<Vec<PageView<'p>>> {
+        let claims = self.verify_tables(tables, Access::Bytes)?;
+        let layout = self.layout;
+        let mut slots: Vec<Vec<Option<&'p mut [f16]>>> = tables
+            .iter()
+            .map(|table| (0..table.pages.len()).map(|_| None).collect())
+            .collect();
+        // Claims are sorted and distinct, so each one lies beyond the previous: split the
+        // storage just past it and keep walking the tail. Safe disjoint borrows, one per page.
+        let mut rest: &'p mut [Box<[f16]>] = &mut self.storage;
+        let mut rest_first_index = 0;
+        for claim in claims {
+            let skip = claim.page.index() - rest_first_index;
+            let (_, from_claim) = std::mem::take(&mut rest).split_at_mut(skip);
+            let (page, after) = from_claim
+                .split_first_mut()
+                .expect("a verified page id is below page_count, so the tail is not empty");
+            slots[claim.table_index][claim.position] = Some(&mut page[..]);
+            rest = after;
+            rest_first_index = claim.page.index() + 1;
+        }
+        let views = tables
+            .iter()
+            .zip(slots)
+            .map(|(table, table_slots)| PageView {
+                owner: table.owner,
+                layout,
+                pages: table_slots
+                    .into_iter()
+                    .map(|slot| slot.expect("every claim of every table was filled above"))
+                    .collect(),
+            })
+            .collect();
+        Ok(views)
+    }
+
+    /// Debug self-check that the free list and the headers agree; panics on the first
+    /// violation. O(page_count): tests call it after every operation.
+    pub fn check_invariants(&self) {
+        let page_count = self.headers.len();
+        assert_eq!(
+            self.storage.len(),
+            page_count,
+            "one storage slab per header"
+        );
+        let page_elems = self.layout.page_elems();
+        for page in &self.storage {
+            assert_eq!(page.len(), page_elems, "every page has the layout's size");
+        }
+        let mut on_free_list = vec![false; page_count];
+        for page in &self.free {
+            assert!(
+                page.index() < page_count,
+                "free list names {page:?}, out of range"
+            );
+            assert!(
+                !on_free_list[page.index()],
+                "{page:?} is on the free list twice"
+            );
+            on_free_list[page.index()] = true;
+        }
+        for (index, header) in self.headers.iter().enumerate() {
+            let is_free = header.state == PageState::Free;
+            assert_eq!(
+                is_free, on_free_list[index],
+                "page {index}: Free iff on free list"
+            );
+            assert_eq!(
+                is_free,
+                header.owner.is_none(),
+                "page {index}: Free iff no owner"
+            );
+            if !is_free {
+                assert!(
+                    header.generation.0 > 0,
+                    "page {index}: owned but never allocated"
+                );
+            }
+        }
+    }
+
+    /// Pop `needed` free pages onto `table`, or change nothing and say how short we are.
+    fn take_free_pages(&mut self, table: &mut PageTable, needed: usize) -> Result<()> {
+        if needed > self.free.len() {
+            return Err(Error::OutOfPages {
+                needed,
+                free: self.free.len(),
+            });
+        }
+        table.pages.reserve(needed);
+        for _ in 0..needed {
+            let page = self
+                .free
+                .pop()
+                .expect("needed <= free pages, checked above");
+            let header = &mut self.headers[page.index()];
+            assert!(
+                header.state == PageState::Free,
+                "{page:?} on free list is not Free"
+            );
+            assert!(header.owner.is_none(), "{page:?} on free list has an owner");
+            let next = header.generation.0.checked_add(1);
+            header.generation = Generation(next.expect("2^64 allocations of one page"));
+            header.owner = Some(table.owner);
+            header.state = PageState::Writing;
+            table.pages.push((page, header.generation));
+        }
+        Ok(())
+    }
+
+    /// Check every page of every table against its header, then that no page is claimed
+    /// twice. Returns the claims sorted by page id. Errors name the first failing page in
+    /// table order; duplicates are reported after all headers passed.
+    fn verify_tables(&self, tables: &[&PageTable], access: Access) -> Result<Vec<Claim>> {
+        let claim_count = tables.iter().map(|table| table.pages.len()).sum();
+        let mut claims = Vec::with_capacity(claim_count);
+        for (table_index, table) in tables.iter().enumerate() {
+            for (position, &(page, generation)) in table.pages.iter().enumerate() {
+                self.verify_page(page, table.owner, generation, access)?;
+                claims.push(Claim {
+                    page,
+                    table_index,
+                    position,
+                });
+            }
+        }
+        claims.sort_unstable_by_key(|claim| claim.page);
+        if let Some(pair) = claims.windows(2).find(|pair| pair[0].page == pair[1].page) {
+            return Err(Error::DuplicatePage { page: pair[0].page });
+        }
+        Ok(claims)
+    }
+
+    /// Generation first: a table kept past its release is the common bug, and its error
+    /// should say "stale" rather than name whoever holds the page now.
+    fn verify_page(
+        &self,
+        page: PageId,
+        owner: Owner,
+        generation: Generation,
+        access: Access,
+    ) -> Result<()> {
+        let header = self
+            .headers
+            .get(page.index())
+            .ok_or(Error::UnknownPage { page })?;
+        if header.generation != generation {
+            return Err(Error::StaleGeneration {
+                page,
+                expected: generation,
+                found: header.generation,
+            });
+        }
+        if header.owner != Some(owner) {
+            return Err(Error::OwnerMismatch {
+                page,
+                expected: owner,
+                found: header.owner,
+            });
+        }
+        let readable = matches!(header.state, PageState::Writing | PageState::Sealed);
+        if access == Access::Bytes && !readable {
+            return Err(Error::PageNotReadable {
+                page,
+                state: header.state,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for PagePool {
+    /// Headers and sizes only: KV bytes are tenant data and have no place in logs.
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("PagePool")
+            .field("layout", &self.layout)
+            .field("page_count", &self.page_count())
+            .field("pages_free", &self.pages_free())
+            .field("scrub_on_free", &self.scrub_on_free)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'p> PageView<'p> {
+    pub fn owner(&self) -> Owner {
+        self.owner
+    }
+
+    pub fn capacity_tokens(&self) -> usize {
+        self.pages.len() * self.layout.page_size_tokens
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// Pages in this view.
+    pub fn page_len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// The slots of one (layer, kind, kv_head) in page number `page_index` of this table
+    /// (`page_size_tokens * head_dim` f16, slot-major).
+    ///
+    /// Panics when an index is out of range: that is a bug in the caller, not bad input.
+    pub fn head(&self, page_index: usize, layer: usize, kind: KvKind, kv_head: usize) -> &[f16] {
+        let start = self.layout.head_offset(layer, kind, kv_head);
+        &self.pages[page_index][start..start + self.layout.head_elems()]
+    }
+
+    /// Mutable form of [`PageView::head`].
+    pub fn head_mut(
+        &mut self,
+        page_index: usize,
+        layer: usize,
+        kind: KvKind,
+        kv_head: usize,
+    ) -> &mut [f16] {
+        let start = self.layout.head_offset(layer, kind, kv_head);
+        let head_elems = self.layout.head_elems();
+        &mut self.pages[page_index][start..start + head_elems]
+    }
+
+    /// All of page number `page_index` of this table (`layout.page_elems()` f16), e.g. to
+    /// checksum or send it whole.
+    pub fn page(&self, page_index: usize) -> &[f16] {
+        &self.pages[page_index][..]
+    }
+
+    /// Mutable form of [`PageView::page`].
+    pub fn page_mut(&mut self, page_index: usize) -> &mut [f16] {
+        &mut self.pages[page_index][..]
+    }
+}
+
+impl fmt::Debug for PageView<'_> {
+    /// Owner and size only: KV bytes are tenant data and have no place in logs.
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter
+            .debug_struct("PageView")
+            .field("owner", &self.owner)
+            .field("page_len", &self.page_len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PageId {
+    fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+fn transition_allowed(from: PageState, to: PageState) -> bool {
+    use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Writing};
+    match (from, to) {
+        // Free is entered only by release and left only by allocation, which keep the free
+        // list in step with the headers.
+        (Free, _) | (_, Free) => false,
+        (from, to) if from == to => true,
+        (Writing, Sealed | Receiving | Quarantined) => true,
+        (Sealed, Writing | Sending | Quarantined) => true,
+        (Sending, Sealed | Quarantined) => true,
+        (Receiving, Sealed | Quarantined) => true,
+        _ => false,
+    }
+}

@@ -1,0 +1,287 @@
+//! One batched forward step over verified pages.
+
+use crate::{Error, Model, Result};
+use half::f16;
+use kernels::{
+    add_in_place, attention_axpy_f16, attention_dot_f16, quantize_acts, rms_norm, silu_mul,
+    softmax_in_place, QuantActs,
+};
+use kv::{KvKind, PagePool, PageTable, PageView};
+use rayon::prelude::*;
+
+/// One sequence's part of a batched step: `tokens` go at positions `start_pos..`, with K/V
+/// stored in (and attention reading from) the pages of `table`.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqStep<'a> {
+    pub table: &'a PageTable,
+    pub tokens: &'a [u32],
+    pub start_pos: usize,
+    /// Return next-token logits after this sequence's last token.
+    pub want_logits: bool,
+}
+
+/// Where each batch row comes from.
+#[derive(Clone, Copy)]
+struct RowSource {
+    seq: usize,
+    pos: usize,
+}
+
+/// Per-step activation buffers, `rows × width` each.
+struct Buffers {
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    qkv: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    hidden: Vec<f32>,
+    acts: QuantActs,
+}
+
+impl Model {
+    /// Runs one step for every sequence in `steps` and returns the logits of each step that
+    /// asked for them, in order. Every page table is verified against the pool's headers before
+    /// any K/V is touched (I1): a stale, foreign or freed page fails the whole step.
+    pub fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+        self.check_steps(steps)?;
+        let expected_layout = self.config.kv_layout(pool.layout().page_size_tokens);
+        if *pool.layout() != expected_layout {
+            return Err(Error::Unsupported(format!(
+                "pool layout {:?} does not fit this model ({expected_layout:?})",
+                pool.layout()
+            )));
+        }
+        let tables: Vec<&PageTable> = steps.iter().map(|s| s.table).collect();
+        let mut views = pool.verify_batch(&tables)?;
+        for (step, view) in steps.iter().zip(&views) {
+            let needed = step.start_pos + step.tokens.len();
+            if needed > view.capacity_tokens() {
+                return Err(Error::PageTableTooSmall {
+                    needed,
+                    capacity: view.capacity_tokens(),
+                });
+            }
+        }
+        self.threads.install(|| self.run(steps, &mut views))
+    }
+
+    fn check_steps(&self, steps: &[SeqStep]) -> Result<()> {
+        let vocab_size = self.config.vocab_size;
+        for (index, step) in steps.iter().enumerate() {
+            if step.tokens.is_empty() {
+                return Err(Error::EmptyStep { index });
+            }
+            if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(Error::TokenOutOfRange { token, vocab_size });
+            }
+            let end = step.start_pos + step.tokens.len();
+            if end > self.config.context_length {
+                let context_length = self.config.context_length;
+                return Err(Error::ContextOverflow {
+                    position: end - 1,
+                    context_length,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Result<Vec<Vec<f32>>> {
+        let rows: Vec<RowSource> = steps
+            .iter()
+            .enumerate()
+            .flat_map(|(seq, step)| {
+                (0..step.tokens.len()).map(move |i| RowSource {
+                    seq,
+                    pos: step.start_pos + i,
+                })
+            })
+            .collect();
+        let mut buffers = self.buffers(rows.len());
+        let dim = self.config.dim;
+        let tokens = steps.iter().flat_map(|s| s.tokens.iter());
+        for (row, &token) in buffers.x.chunks_exact_mut(dim).zip(tokens) {
+            self.embedding.dequantize_row(token as usize, row);
+        }
+        for layer in 0..self.layers.len() {
+            self.attention_block(layer, &rows, views, &mut buffers);
+            self.ffn_block(layer, &mut buffers);
+        }
+        let mut last_rows = Vec::new();
+        let mut end = 0;
+        for step in steps {
+            end += step.tokens.len();
+            if step.want_logits {
+                last_rows.push(end - 1);
+            }
+        }
+        Ok(self.logits(&buffers.x, &last_rows))
+    }
+
+    fn buffers(&self, rows: usize) -> Buffers {
+        let c = &self.config;
+        Buffers {
+            x: vec![0.0; rows * c.dim],
+            normed: vec![0.0; rows * c.dim],
+            qkv: vec![0.0; rows * (c.dim + 2 * c.kv_dim())],
+            attn: vec![0.0; rows * c.dim],
+            proj: vec![0.0; rows * c.dim],
+            gate_up: vec![0.0; rows * 2 * c.ffn_dim],
+            hidden: vec![0.0; rows * c.ffn_dim],
+            acts: QuantActs::default(),
+        }
+    }
+
+    fn norm_rows(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
+        let dim = self.config.dim;
+        for (row, normed) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            rms_norm(row, weight, self.config.norm_eps, normed);
+        }
+    }
+
+    fn attention_block(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        views: &mut [PageView],
+        b: &mut Buffers,
+    ) {
+        let c = &self.config;
+        let weights = &self.layers[layer];
+        let n = rows.len();
+        self.norm_rows(&b.x, &weights.attn_norm, &mut b.normed);
+        quantize_acts(&b.normed, n, c.dim, &mut b.acts);
+        weights.qkv.matmul(self.backend, &b.acts, &mut b.qkv);
+        let qkv_width = c.dim + 2 * c.kv_dim();
+        for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
+            let (q, kv) = row.split_at_mut(c.dim);
+            self.rope.apply(q, source.pos);
+            self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+            store_kv(&mut views[source.seq], layer, source.pos, kv, c.head_dim);
+        }
+        self.attend(layer, rows, &b.qkv, views, &mut b.attn);
+        quantize_acts(&b.attn, n, c.dim, &mut b.acts);
+        weights
+            .attn_output
+            .matmul(self.backend, &b.acts, &mut b.proj);
+        add_in_place(&mut b.x, &b.proj);
+    }
+
+    fn ffn_block(&self, layer: usize, b: &mut Buffers) {
+        let c = &self.config;
+        let weights = &self.layers[layer];
+        let n = b.x.len() / c.dim;
+        self.norm_rows(&b.x, &weights.ffn_norm, &mut b.normed);
+        quantize_acts(&b.normed, n, c.dim, &mut b.acts);
+        weights
+            .gate_up
+            .matmul(self.backend, &b.acts, &mut b.gate_up);
+        let rows = b
+            .gate_up
+            .chunks_exact_mut(2 * c.ffn_dim)
+            .zip(b.hidden.chunks_exact_mut(c.ffn_dim));
+        for (gate_up, hidden) in rows {
+            let (gate, up) = gate_up.split_at_mut(c.ffn_dim);
+            silu_mul(gate, up);
+            hidden.copy_from_slice(gate);
+        }
+        quantize_acts(&b.hidden, n, c.ffn_dim, &mut b.acts);
+        weights.down.matmul(self.backend, &b.acts, &mut b.proj);
+        add_in_place(&mut b.x, &b.proj);
+    }
+
+    /// Causal grouped-query attention for every row, reading K/V from the verified pages.
+    /// Work is split by (row, kv head): each task owns the output of that kv head's query heads.
+    fn attend(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        qkv: &[f32],
+        views: &[PageView],
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (head_dim, group) = (c.head_dim, c.group_size());
+        let qkv_width = c.dim + 2 * c.kv_dim();
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let backend = self.backend;
+        out.par_chunks_mut(group * head_dim)
+            .enumerate()
+            .for_each(|(chunk, out)| {
+                let (row, kv_head) = (chunk / c.kv_head_count, chunk % c.kv_head_count);
+                let source = rows[row];
+                let view = &views[source.seq];
+                let page_size = view.layout().page_size_tokens;
+                let context = source.pos + 1;
+                let mut scores = vec![0f32; context];
+                let mut q = vec![0f32; head_dim];
+                for (h, out) in out.chunks_exact_mut(head_dim).enumerate() {
+                    let head = kv_head * group + h;
+                    let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
+                    // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+                    for (dst, &v) in q.iter_mut().zip(q_src) {
+                        *dst = f16::from_f32(v).to_f32();
+                    }
+                    for (page, scores) in scores.chunks_mut(page_size).enumerate() {
+                        let keys = view.head(page, layer, KvKind::Key, kv_head);
+                        for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
+                            *score = attention_dot_f16(backend, &q, key) * scale;
+                        }
+                    }
+                    softmax_in_place(&mut scores);
+                    out.fill(0.0);
+                    for (page, weights) in scores.chunks(page_size).enumerate() {
+                        let values = view.head(page, layer, KvKind::Value, kv_head);
+                        for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
+                            let weight = f16::from_f32(weight).to_f32();
+                            attention_axpy_f16(backend, out, weight, value);
+                        }
+                    }
+                }
+            });
+    }
+
+    /// Final norm and output projection for the chosen rows.
+    fn logits(&self, x: &[f32], rows: &[usize]) -> Vec<Vec<f32>> {
+        if rows.is_empty() {
+            return Vec::new();
+        }
+        let c = &self.config;
+        let mut normed = vec![0f32; rows.len() * c.dim];
+        for (out, &row) in normed.chunks_exact_mut(c.dim).zip(rows) {
+            rms_norm(
+                &x[row * c.dim..(row + 1) * c.dim],
+                &self.output_norm,
+                c.norm_eps,
+                out,
+            );
+        }
+        let mut acts = QuantActs::default();
+        quantize_acts(&normed, rows.len(), c.dim, &mut acts);
+        let output = self.output.as_ref().unwrap_or(&self.embedding);
+        let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        self.threads
+            .install(|| output.matmul(self.backend, &acts, &mut logits));
+        logits
+            .chunks_exact(c.vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
+}
+
+/// Writes one token's K (already rotated) and V into its slot of the sequence's pages.
+fn store_kv(view: &mut PageView, layer: usize, pos: usize, kv: &[f32], head_dim: usize) {
+    let page_size = view.layout().page_size_tokens;
+    let (page, slot) = (pos / page_size, pos % page_size);
+    let kv_dim = kv.len() / 2;
+    let (k, v) = kv.split_at(kv_dim);
+    for (kind, src) in [(KvKind::Key, k), (KvKind::Value, v)] {
+        for (kv_head, values) in src.chunks_exact(head_dim).enumerate() {
+            let dst = &mut view.head_mut(page, layer, kind, kv_head)[slot * head_dim..][..head_dim];
+            for (d, &s) in dst.iter_mut().zip(values) {
+                *d = f16::from_f32(s);
+            }
+        }
+    }
+}
