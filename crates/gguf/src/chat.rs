@@ -145,7 +145,10 @@ mod tests {
             "</s>",
         )
         .expect("test template compiles");
-        let msgs = [ChatMessage::new("user", "Hi"), ChatMessage::new("assistant", "Yo")];
+        let msgs = [
+            ChatMessage::new("user", "Hi"),
+            ChatMessage::new("assistant", "Yo"),
+        ];
         assert_eq!(
             t.render(&msgs, true).expect("renders"),
             "<s>[user]Hi\n[assistant]Yo\n[assistant]</s>"

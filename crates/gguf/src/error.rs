@@ -70,7 +70,9 @@ pub enum Error {
     BadTensorShape { tensor: String, reason: String },
 
     /// A tensor offset that is not a multiple of the file's alignment.
-    #[error("tensor {tensor:?}: data offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "tensor {tensor:?}: data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     MisalignedTensor {
         tensor: String,
         offset: u64,

@@ -106,7 +106,13 @@ impl Builder {
     }
 
     /// A tensor info with this relative offset and no data of its own.
-    pub(crate) fn raw_tensor(mut self, name: &str, dims: &[u64], type_id: u32, offset: u64) -> Self {
+    pub(crate) fn raw_tensor(
+        mut self,
+        name: &str,
+        dims: &[u64],
+        type_id: u32,
+        offset: u64,
+    ) -> Self {
         self.tensors.push(TensorSpec {
             name: name.to_string(),
             dims: dims.to_vec(),

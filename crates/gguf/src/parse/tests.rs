@@ -121,6 +121,13 @@ fn tensors_are_located_and_sliced() {
 #[test]
 fn versions() {
     assert!(parse(&header(2, 0, 0)).is_ok());
+    let v2 = Builder::new()
+        .version(2)
+        .kv("k", Value::String("v".into()))
+        .tensor("t", &[2], 0, vec![1; 8])
+        .build();
+    let f = parse(&v2).expect("v2 file parses");
+    assert_eq!((f.version, f.get_str("k")), (2, Ok("v")));
     for v in [0, 1, 4, 0x0300_0000] {
         match parse(&header(v, 0, 0)) {
             Err(Error::UnsupportedVersion { version, .. }) => assert_eq!(version, v),
@@ -135,12 +142,7 @@ fn versions() {
 fn bad_magic() {
     let mut bytes = header(3, 0, 0);
     bytes[0] = b'X';
-    assert_eq!(
-        parse(&bytes),
-        Err(Error::BadMagic {
-            found: *b"XGUF"
-        })
-    );
+    assert_eq!(parse(&bytes), Err(Error::BadMagic { found: *b"XGUF" }));
     assert!(matches!(parse(b"GG"), Err(Error::Truncated { .. })));
     assert!(matches!(parse(b""), Err(Error::Truncated { .. })));
 }
@@ -215,10 +217,7 @@ fn array_nesting_is_bounded() {
         v = Value::Array(vec![v]);
     }
     let bytes = Builder::new().kv("deep", v).build();
-    assert!(matches!(
-        parse(&bytes),
-        Err(Error::NestingTooDeep { .. })
-    ));
+    assert!(matches!(parse(&bytes), Err(Error::NestingTooDeep { .. })));
     let mut ok = Value::Array(vec![Value::U8(1)]);
     for _ in 1..crate::MAX_ARRAY_DEPTH {
         ok = Value::Array(vec![ok]);
@@ -274,10 +273,7 @@ fn alignment_key() {
         let bytes = Builder::new()
             .kv("general.alignment", Value::U32(bad))
             .build();
-        assert_eq!(
-            parse(&bytes),
-            Err(Error::BadAlignment { alignment: bad })
-        );
+        assert_eq!(parse(&bytes), Err(Error::BadAlignment { alignment: bad }));
     }
     let bytes = Builder::new()
         .kv("general.alignment", Value::U64(32))
@@ -307,7 +303,9 @@ fn tensor_shapes_are_checked() {
         })
     );
     // A known type without its own variant is still sized: Q4_K, 256 per 144 bytes.
-    let bytes = Builder::new().tensor("k", &[256, 2], 12, vec![0; 288]).build();
+    let bytes = Builder::new()
+        .tensor("k", &[256, 2], 12, vec![0; 288])
+        .build();
     let f = parse(&bytes).expect("Q4_K tensor parses");
     let k = f.tensor("k").expect("k");
     assert_eq!((k.ggml_type, k.byte_len), (GgmlType::Other(12), 288));

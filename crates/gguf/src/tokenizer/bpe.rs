@@ -86,9 +86,11 @@ impl Session {
         self.ids.clear();
         self.ids.extend_from_slice(symbols);
         self.next.clear();
-        self.next.extend((1..=n).map(|i| if i < n { i } else { NONE }));
+        self.next
+            .extend((1..=n).map(|i| if i < n { i } else { NONE }));
         self.prev.clear();
-        self.prev.extend((0..n).map(|i| i.checked_sub(1).unwrap_or(NONE)));
+        self.prev
+            .extend((0..n).map(|i| i.checked_sub(1).unwrap_or(NONE)));
         self.alive.clear();
         self.alive.resize(n, true);
         self.heap.clear();

@@ -1,9 +1,9 @@
 //! The byte-level BPE tokenizer stored in a GGUF file (`tokenizer.ggml.model
 //! = "gpt2"`), matching llama.cpp's tokenization.
 //!
-//! Encoding: split the text on special-token strings ([`special`]), split
-//! each raw piece into words ([`pretokenize`]), then BPE-merge each word's
-//! bytes ([`bpe`]). Decoding maps each token back to the bytes it stands for.
+//! Encoding: split the text on special-token strings (`special`), split
+//! each raw piece into words (`pretokenize`), then BPE-merge each word's
+//! bytes (`bpe`). Decoding maps each token back to the bytes it stands for.
 
 mod bpe;
 mod byte_level;

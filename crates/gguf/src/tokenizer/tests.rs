@@ -10,9 +10,7 @@ const SPECIALS: [(&str, i32); 4] = [
     ("<|im_end|>", 3),
     ("<user>", 4),
 ];
-const MERGES: [&str; 7] = [
-    "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or",
-];
+const MERGES: [&str; 7] = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"];
 
 fn strings(items: &[String]) -> Value {
     Value::Array(items.iter().map(|s| Value::String(s.clone())).collect())
@@ -96,7 +94,9 @@ fn token_bytes_are_byte_level_decoded() {
     let t = tokenizer();
     let id = t.token_id("Ġw").expect("Ġw is in the test vocabulary");
     assert_eq!(t.token_bytes(id), b" w");
-    let newline = t.token_id("Ċ").expect("every byte character is in the vocabulary");
+    let newline = t
+        .token_id("Ċ")
+        .expect("every byte character is in the vocabulary");
     assert_eq!(t.token_bytes(newline), b"\n");
     assert_eq!(t.token_bytes(u32::MAX), b"");
     assert_eq!(t.token_bytes(t.vocab_size() as u32), b"");
@@ -109,10 +109,6 @@ fn token_bytes_are_byte_level_decoded() {
 
 #[test]
 fn refuses_unsupported_vocabularies() {
-    let err = tokenizer_from(builder().kv("tokenizer.ggml.model", Value::String("llama".into())));
-    // The builder appends, so the key is duplicated: build a fresh one instead.
-    assert!(matches!(err, Err(Error::DuplicateKey { .. })));
-
     let file = |model: &str, pre: &str| {
         Builder::new()
             .kv("tokenizer.ggml.model", Value::String(model.into()))
@@ -147,7 +143,10 @@ fn refuses_inconsistent_metadata() {
         Err(Error::BadTokenizer { .. })
     ));
     assert!(matches!(
-        with("tokenizer.ggml.token_type", Value::Array(vec![Value::I32(1)])),
+        with(
+            "tokenizer.ggml.token_type",
+            Value::Array(vec![Value::I32(1)])
+        ),
         Err(Error::BadTokenizer { .. })
     ));
     assert!(matches!(

@@ -22,7 +22,10 @@ fn default_system_prompt() {
     let no_prompt = t
         .render(&[ChatMessage::new("user", "Hi")], false)
         .expect("renders");
-    assert_eq!(no_prompt, format!("{SYSTEM}<|im_start|>user\nHi<|im_end|>\n"));
+    assert_eq!(
+        no_prompt,
+        format!("{SYSTEM}<|im_start|>user\nHi<|im_end|>\n")
+    );
 }
 
 #[test]
@@ -57,8 +60,14 @@ fn rendered_prompt_tokenizes_with_control_tokens() {
         .render(&[ChatMessage::new("user", "Hi")], true)
         .expect("renders");
     let ids = m.tokenizer.encode(&prompt, true);
-    let im_start = m.tokenizer.token_id("<|im_start|>").expect("<|im_start|> in vocab");
-    let im_end = m.tokenizer.token_id("<|im_end|>").expect("<|im_end|> in vocab");
+    let im_start = m
+        .tokenizer
+        .token_id("<|im_start|>")
+        .expect("<|im_start|> in vocab");
+    let im_end = m
+        .tokenizer
+        .token_id("<|im_end|>")
+        .expect("<|im_end|> in vocab");
     assert_eq!(ids.iter().filter(|&&id| id == im_start).count(), 3);
     assert_eq!(ids.iter().filter(|&&id| id == im_end).count(), 2);
     assert_eq!(m.tokenizer.decode(&ids), prompt);

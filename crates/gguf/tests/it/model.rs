@@ -22,8 +22,14 @@ fn header_facts() {
     assert_eq!(f.get_u32("llama.context_length"), Ok(8192));
     assert_eq!(f.get_u32("llama.vocab_size"), Ok(49152));
     assert_eq!(f.get_f32("llama.rope.freq_base"), Ok(100_000.0));
-    assert_eq!(f.get_f32("llama.attention.layer_norm_rms_epsilon"), Ok(1e-5));
-    assert_eq!(f.get_bool_or("tokenizer.ggml.add_bos_token", true), Ok(false));
+    assert_eq!(
+        f.get_f32("llama.attention.layer_norm_rms_epsilon"),
+        Ok(1e-5)
+    );
+    assert_eq!(
+        f.get_bool_or("tokenizer.ggml.add_bos_token", true),
+        Ok(false)
+    );
     match f.get("tokenizer.ggml.tokens") {
         Some(Value::Array(tokens)) => assert_eq!(tokens.len(), 49152),
         other => panic!("tokenizer.ggml.tokens: {other:?}"),
@@ -38,7 +44,9 @@ fn header_facts() {
 fn tensors() {
     let m = model();
     let f = &m.file;
-    let emb = f.tensor("token_embd.weight").expect("token_embd.weight exists");
+    let emb = f
+        .tensor("token_embd.weight")
+        .expect("token_embd.weight exists");
     assert_eq!(emb.ggml_type, GgmlType::Q8_0);
     assert_eq!(emb.dims, [576, 49152]);
     assert_eq!(emb.byte_len, 576 * 49152 / 32 * 34);
@@ -50,10 +58,20 @@ fn tensors() {
     assert_eq!(count(GgmlType::F32), 61);
     assert_eq!(count(GgmlType::Q8_0), 1);
 
-    let q = f.tensor("blk.0.attn_q.weight").expect("blk.0.attn_q.weight exists");
-    assert_eq!((q.ggml_type, q.dims.as_slice()), (GgmlType::Q4_1, &[576, 576][..]));
-    let norm = f.tensor("output_norm.weight").expect("output_norm.weight exists");
-    assert_eq!((norm.ggml_type, norm.dims.as_slice()), (GgmlType::F32, &[576][..]));
+    let q = f
+        .tensor("blk.0.attn_q.weight")
+        .expect("blk.0.attn_q.weight exists");
+    assert_eq!(
+        (q.ggml_type, q.dims.as_slice()),
+        (GgmlType::Q4_1, &[576, 576][..])
+    );
+    let norm = f
+        .tensor("output_norm.weight")
+        .expect("output_norm.weight exists");
+    assert_eq!(
+        (norm.ggml_type, norm.dims.as_slice()),
+        (GgmlType::F32, &[576][..])
+    );
     let norm_bytes = f
         .tensor_bytes(&m.bytes, "output_norm.weight")
         .expect("output_norm data lies in the file");
@@ -61,7 +79,9 @@ fn tensors() {
 
     let mut end = 0;
     for t in &f.tensors {
-        let data = f.tensor_bytes(&m.bytes, &t.name).expect("every tensor slices");
+        let data = f
+            .tensor_bytes(&m.bytes, &t.name)
+            .expect("every tensor slices");
         assert_eq!(data.len() as u64, t.byte_len);
         assert_eq!(t.offset % 32, 0, "{}", t.name);
         end = end.max(t.offset + t.byte_len);
@@ -92,10 +112,7 @@ fn mutated_real_header_never_panics() {
         cases: 200,
         ..Config::default()
     });
-    let edits = proptest::collection::vec(
-        (0..header_len, proptest::num::u8::ANY),
-        1..4,
-    );
+    let edits = proptest::collection::vec((0..header_len, proptest::num::u8::ANY), 1..4);
     runner
         .run(&edits, |edits| {
             let mut buf = bytes.borrow_mut();

@@ -58,13 +58,22 @@ fn hand_checked_examples() {
     assert_eq!(words("12345", smol), ["1", "2", "3", "4", "5"]);
     assert_eq!(words("abc 123", smol), ["abc", " ", "1", "2", "3"]);
     assert_eq!(words("abc 123", PreTokenizer::Gpt2), ["abc", " 123"]);
-    assert_eq!(words("I'm you'll 'S", smol), ["I", "'m", " you", "'ll", " '", "S"]);
+    assert_eq!(
+        words("I'm you'll 'S", smol),
+        ["I", "'m", " you", "'ll", " '", "S"]
+    );
     assert_eq!(words("a   b", smol), ["a", "  ", " b"]);
     assert_eq!(words("  \n\n  x", smol), ["  \n\n ", " x"]);
     assert_eq!(words("x \n", smol), ["x", " \n"]);
-    assert_eq!(words("\tif (x) {\n\t\treturn;", smol), ["\t", "if", " (", "x", ")", " {", "\n\t", "\t", "return", ";"]);
+    assert_eq!(
+        words("\tif (x) {\n\t\treturn;", smol),
+        ["\t", "if", " (", "x", ")", " {", "\n\t", "\t", "return", ";"]
+    );
     assert_eq!(words("", smol), Vec::<&str>::new());
-    assert_eq!(words("héllo wörld 日本語 🙂", smol), ["héllo", " wörld", " 日本語", " 🙂"]);
+    assert_eq!(
+        words("héllo wörld 日本語 🙂", smol),
+        ["héllo", " wörld", " 日本語", " 🙂"]
+    );
 }
 
 #[test]
@@ -81,7 +90,11 @@ fn matches_fancy_regex_on_examples() {
         "🙂🙂 ok",
     ] {
         for pre in [PreTokenizer::SmolLm, PreTokenizer::Gpt2] {
-            assert_eq!(words(text, pre), reference(text, pre), "text {text:?}, {pre:?}");
+            assert_eq!(
+                words(text, pre),
+                reference(text, pre),
+                "text {text:?}, {pre:?}"
+            );
         }
     }
 }
