@@ -2,32 +2,53 @@
 //! `Backend::detect` (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
-use crate::matrix::{Q41GroupBlock, Q80GroupBlock};
-use crate::{scalar, Backend, QuantActs};
+use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock};
+use crate::{scalar, Backend};
 use half::f16;
 
 fn cpu_ok() -> bool {
     Backend::detect() == Backend::Avx2
 }
 
-pub(crate) fn q41_group(group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
+    check_job(group.len(), &job);
     #[cfg(target_arch = "x86_64")]
     if cpu_ok() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above).
-        unsafe { x86::q41_group(group, acts, out) };
+        let mut token = job.tokens.start;
+        while token + 4 <= job.tokens.end {
+            // SAFETY: the CPU has avx2, fma and f16c; `check_job` bounded tokens and output.
+            unsafe { x86::q41_tokens::<4>(group, &mut job, token) };
+            token += 4;
+        }
+        for token in token..job.tokens.end {
+            // SAFETY: as above.
+            unsafe { x86::q41_tokens::<1>(group, &mut job, token) };
+        }
         return;
     }
-    scalar::q41_group(group, acts, out)
+    scalar::q41_group(group, job)
 }
 
-pub(crate) fn q80_group(group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
+    check_job(group.len(), &job);
     #[cfg(target_arch = "x86_64")]
     if cpu_ok() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above).
-        unsafe { x86::q80_group(group, acts, out) };
+        for token in job.tokens.clone() {
+            // SAFETY: the CPU has avx2, fma and f16c; `check_job` bounded tokens and output.
+            unsafe { x86::q80_token(group, &mut job, token) };
+        }
         return;
     }
-    scalar::q80_group(group, acts, out)
+    scalar::q80_group(group, job)
+}
+
+/// The bounds the SIMD kernels rely on: one activation block per weight block, tokens within
+/// the activations, and an output of 8 rows × `stride`.
+fn check_job(blocks: usize, job: &GroupJob) {
+    assert_eq!(job.acts.cols() / crate::BLOCK, blocks, "one activation block per weight block");
+    assert!(job.tokens.end <= job.acts.rows(), "tokens within the activations");
+    assert!(job.tokens.end <= job.stride, "tokens within the output stride");
+    assert_eq!(job.out.len(), crate::matrix::GROUP_ROWS * job.stride, "output holds 8 rows");
 }
 
 pub(crate) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
@@ -56,118 +77,117 @@ pub(crate) fn axpy_f16(out: &mut [f32], weight: f32, v: &[f16]) {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::matrix::{Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
-    use crate::QuantActs;
+    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
     use half::f16;
     use std::arch::x86_64::*;
 
     // All loads below are unaligned loads (`loadu`) of exactly the bytes of a fixed-size array
     // field, so every pointer is in bounds for the width read.
 
-    /// 8 rows × every token of one row group; `out[r * tokens + t]`.
+    /// 8 rows × tokens `first..first + N` of one row group, sharing each weight unpack
+    /// across the N tokens.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `group` has one block per activation block.
+    /// The CPU must support avx2, fma and f16c, and `job` passed `check_job` with
+    /// `first + N <= job.tokens.end`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q41_group(group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
-        let tokens = acts.rows();
+    pub(super) unsafe fn q41_tokens<const N: usize>(
+        group: &[Q41GroupBlock],
+        job: &mut GroupJob,
+        first: usize,
+    ) {
+        let acts = job.acts;
         let low_nibble = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        for token in 0..tokens {
-            let act_row = acts.row(token);
-            assert_eq!(
-                act_row.len(),
-                group.len(),
-                "one activation block per weight block"
-            );
-            let mut acc = _mm256_setzero_ps();
-            let mut acc_offset = _mm256_setzero_ps();
-            for (w, a) in group.iter().zip(act_row) {
+        let rows: [&[crate::ActBlock]; N] = std::array::from_fn(|n| acts.row(first + n));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, w) in group.iter().enumerate() {
+            let w_ptr = w.qs.as_ptr() as *const __m256i;
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
+            for pair in 0..4 {
+                let packed = _mm256_loadu_si256(w_ptr.add(pair));
+                lo[pair] = _mm256_and_si256(packed, low_nibble);
+                hi[pair] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibble);
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
+            let m = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr() as *const __m128i));
+            for n in 0..N {
+                let a = rows[n].get_unchecked(b);
                 let a_ptr = a.qs.as_ptr() as *const __m128i;
                 let act_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(a_ptr));
                 let act_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(a_ptr.add(1)));
-                let w_ptr = w.qs.as_ptr() as *const __m256i;
                 let mut pair_sums = [_mm256_setzero_si256(); 4];
-                for (pair, sum) in pair_sums.iter_mut().enumerate() {
-                    let packed = _mm256_loadu_si256(w_ptr.add(pair));
-                    let lo = _mm256_and_si256(packed, low_nibble);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibble);
+                for pair in 0..4 {
                     // u4 × i8 pairs fit i16 (15·127·2·2 < 2^15): add before widening.
                     let s16 = _mm256_add_epi16(
-                        _mm256_maddubs_epi16(lo, act_lo),
-                        _mm256_maddubs_epi16(hi, act_hi),
+                        _mm256_maddubs_epi16(lo[pair], act_lo),
+                        _mm256_maddubs_epi16(hi[pair], act_hi),
                     );
-                    *sum = _mm256_madd_epi16(s16, ones);
+                    pair_sums[pair] = _mm256_madd_epi16(s16, ones);
                 }
                 // Lanes become rows [0,2,4,6,1,3,5,7]: the order `d` and `m` are stored in.
                 let sumi = _mm256_hadd_epi32(
                     _mm256_hadd_epi32(pair_sums[0], pair_sums[1]),
                     _mm256_hadd_epi32(pair_sums[2], pair_sums[3]),
                 );
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr() as *const __m128i));
                 let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-                acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc);
-                acc_offset = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s), acc_offset);
+                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[n]);
+                acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s), acc[n]);
             }
+        }
+        for (n, acc) in acc.iter().enumerate() {
             let mut lanes = [0f32; GROUP_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc, acc_offset));
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
             for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
-                out[row * tokens + token] = lanes[lane];
+                job.out[row * job.stride + first + n] = lanes[lane];
             }
         }
     }
 
-    /// 8 rows × every token of one row group; `out[r * tokens + t]`.
+    /// 8 rows × one token of one row group.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `group` has one block per activation block.
+    /// The CPU must support avx2, fma and f16c, and `job` passed `check_job` with `token`
+    /// in `job.tokens`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn q80_group(group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
-        let tokens = acts.rows();
+    pub(super) unsafe fn q80_token(group: &[Q80GroupBlock], job: &mut GroupJob, token: usize) {
         let ones = _mm256_set1_epi16(1);
-        for token in 0..tokens {
-            let act_row = acts.row(token);
-            assert_eq!(
-                act_row.len(),
-                group.len(),
-                "one activation block per weight block"
+        let act_row = job.acts.row(token);
+        let mut acc = _mm256_setzero_ps();
+        for (w, a) in group.iter().zip(act_row) {
+            let act = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+            let w_ptr = w.qs.as_ptr() as *const __m256i;
+            let mut row_sums = [_mm256_setzero_si256(); GROUP_ROWS];
+            for (row, sum) in row_sums.iter_mut().enumerate() {
+                let weights = _mm256_loadu_si256(w_ptr.add(row));
+                // maddubs wants one unsigned operand: move the sign onto the activations.
+                let prod = _mm256_maddubs_epi16(
+                    _mm256_sign_epi8(weights, weights),
+                    _mm256_sign_epi8(act, weights),
+                );
+                *sum = _mm256_madd_epi16(prod, ones);
+            }
+            let g0 = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(row_sums[0], row_sums[1]),
+                _mm256_hadd_epi32(row_sums[2], row_sums[3]),
             );
-            let mut acc = _mm256_setzero_ps();
-            for (w, a) in group.iter().zip(act_row) {
-                let act = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
-                let w_ptr = w.qs.as_ptr() as *const __m256i;
-                let mut row_sums = [_mm256_setzero_si256(); GROUP_ROWS];
-                for (row, sum) in row_sums.iter_mut().enumerate() {
-                    let weights = _mm256_loadu_si256(w_ptr.add(row));
-                    // maddubs wants one unsigned operand: move the sign onto the activations.
-                    let prod = _mm256_maddubs_epi16(
-                        _mm256_sign_epi8(weights, weights),
-                        _mm256_sign_epi8(act, weights),
-                    );
-                    *sum = _mm256_madd_epi16(prod, ones);
-                }
-                let g0 = _mm256_hadd_epi32(
-                    _mm256_hadd_epi32(row_sums[0], row_sums[1]),
-                    _mm256_hadd_epi32(row_sums[2], row_sums[3]),
-                );
-                let g1 = _mm256_hadd_epi32(
-                    _mm256_hadd_epi32(row_sums[4], row_sums[5]),
-                    _mm256_hadd_epi32(row_sums[6], row_sums[7]),
-                );
-                let sumi = _mm256_add_epi32(
-                    _mm256_permute2x128_si256(g0, g1, 0x20),
-                    _mm256_permute2x128_si256(g0, g1, 0x31),
-                );
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-                acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc);
-            }
-            let mut lanes = [0f32; GROUP_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-            for (row, value) in lanes.iter().enumerate() {
-                out[row * tokens + token] = *value;
-            }
+            let g1 = _mm256_hadd_epi32(
+                _mm256_hadd_epi32(row_sums[4], row_sums[5]),
+                _mm256_hadd_epi32(row_sums[6], row_sums[7]),
+            );
+            let sumi = _mm256_add_epi32(
+                _mm256_permute2x128_si256(g0, g1, 0x20),
+                _mm256_permute2x128_si256(g0, g1, 0x31),
+            );
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+            acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc);
+        }
+        let mut lanes = [0f32; GROUP_ROWS];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        for (row, value) in lanes.iter().enumerate() {
+            job.out[row * job.stride + token] = *value;
         }
     }
 

@@ -14,6 +14,7 @@ mod matrix;
 mod ops;
 mod quant;
 mod scalar;
+mod workers;
 
 pub use backend::Backend;
 pub use matrix::{QuantMatrix, WeightFormat};
@@ -22,6 +23,7 @@ pub use ops::{
     softmax_in_place, RopeTable,
 };
 pub use quant::{quantize_acts, ActBlock, QuantActs, BLOCK};
+pub use workers::Workers;
 
 /// Errors from building kernels' data structures out of untrusted bytes.
 #[derive(Debug, thiserror::Error)]

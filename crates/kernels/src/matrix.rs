@@ -6,8 +6,7 @@
 //! reduction produces (`LANE_ROW`). Q8_0 group block: 8 rows of 32 signed bytes, scales in row
 //! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
 
-use crate::{avx2, scalar, Backend, Error, QuantActs, Result, BLOCK};
-use rayon::prelude::*;
+use crate::{avx2, scalar, Backend, Error, QuantActs, Result, Workers, BLOCK};
 
 /// Rows per group: one AVX2 register of f32 results.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -192,26 +191,18 @@ impl QuantMatrix {
         }
     }
 
-    /// `out[t * rows + r] = W[r] · acts[t]`, spread over the current rayon pool by row groups.
-    pub fn matmul(&self, backend: Backend, acts: &QuantActs, out: &mut [f32]) {
-        assert_eq!(
-            acts.cols(),
-            self.cols,
-            "activation width matches the matrix"
-        );
+    /// `out[t * rows + r] = W[r] · acts[t]`, spread over `workers` by row groups.
+    pub fn matmul(&self, backend: Backend, workers: &Workers, acts: &QuantActs, out: &mut [f32]) {
+        assert_eq!(acts.cols(), self.cols, "activation width matches the matrix");
         let tokens = acts.rows();
-        assert_eq!(
-            out.len(),
-            tokens * self.rows,
-            "output holds tokens*rows values"
-        );
+        assert_eq!(out.len(), tokens * self.rows, "output holds tokens*rows values");
         if tokens == 1 {
-            self.matmul_transposed(backend, acts, out);
+            self.matmul_transposed(backend, workers, acts, out);
             return;
         }
         // Each task writes whole rows for every token: compute transposed, then turn around.
         let mut transposed = vec![0f32; out.len()];
-        self.matmul_transposed(backend, acts, &mut transposed);
+        self.matmul_transposed(backend, workers, acts, &mut transposed);
         for (row, values) in transposed.chunks_exact(tokens).enumerate() {
             for (token, value) in values.iter().enumerate() {
                 out[token * self.rows + row] = *value;
@@ -220,48 +211,60 @@ impl QuantMatrix {
     }
 
     /// `out[r * tokens + t] = W[r] · acts[t]`.
-    fn matmul_transposed(&self, backend: Backend, acts: &QuantActs, out: &mut [f32]) {
+    fn matmul_transposed(
+        &self,
+        backend: Backend,
+        workers: &Workers,
+        acts: &QuantActs,
+        out: &mut [f32],
+    ) {
         let tokens = acts.rows();
         let blocks_per_row = self.cols / BLOCK;
         let group_count = self.rows / GROUP_ROWS;
-        let tasks_wanted = rayon::current_num_threads() * 4;
+        let tasks_wanted = workers.threads() * 4;
         let groups_per_task = group_count.div_ceil(tasks_wanted).max(1);
-        let floats_per_task = groups_per_task * GROUP_ROWS * tokens;
-        let group_blocks = blocks_per_row * groups_per_task;
-        match &self.storage {
-            Storage::Q41(blocks) => out
-                .par_chunks_mut(floats_per_task)
-                .zip(blocks.par_chunks(group_blocks))
-                .for_each(|(out, blocks)| {
-                    let groups = blocks.chunks_exact(blocks_per_row);
-                    for (out, group) in out.chunks_exact_mut(GROUP_ROWS * tokens).zip(groups) {
-                        q41_group(backend, group, acts, out);
+        let group_floats = GROUP_ROWS * tokens;
+        workers.for_each_chunk_mut(out, groups_per_task * group_floats, &|task, out| {
+            let first_group = task * groups_per_task;
+            // Token tiles keep a tile's activations in L1/L2 while the task's weights stream.
+            for first_token in (0..tokens).step_by(TOKEN_TILE) {
+                let tile = first_token..(first_token + TOKEN_TILE).min(tokens);
+                for (i, out) in out.chunks_exact_mut(group_floats).enumerate() {
+                    let blocks = (first_group + i) * blocks_per_row..(first_group + i + 1) * blocks_per_row;
+                    let job = GroupJob { acts, tokens: tile.clone(), out, stride: tokens };
+                    match &self.storage {
+                        Storage::Q41(all) => q41_group(backend, &all[blocks], job),
+                        Storage::Q80(all) => q80_group(backend, &all[blocks], job),
                     }
-                }),
-            Storage::Q80(blocks) => out
-                .par_chunks_mut(floats_per_task)
-                .zip(blocks.par_chunks(group_blocks))
-                .for_each(|(out, blocks)| {
-                    let groups = blocks.chunks_exact(blocks_per_row);
-                    for (out, group) in out.chunks_exact_mut(GROUP_ROWS * tokens).zip(groups) {
-                        q80_group(backend, group, acts, out);
-                    }
-                }),
-        }
+                }
+            }
+        });
     }
 }
 
-fn q41_group(backend: Backend, group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+/// Tokens per tile in a matmul: 64 tokens of a 1536-wide row are 120 KiB of activations.
+const TOKEN_TILE: usize = 64;
+
+/// One row group's share of a matmul: tokens `tokens` of `acts`, results at
+/// `out[row * stride + token]`.
+pub(crate) struct GroupJob<'a> {
+    pub acts: &'a QuantActs,
+    pub tokens: std::ops::Range<usize>,
+    pub out: &'a mut [f32],
+    pub stride: usize,
+}
+
+fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
     match backend {
-        Backend::Scalar => scalar::q41_group(group, acts, out),
-        Backend::Avx2 => avx2::q41_group(group, acts, out),
+        Backend::Scalar => scalar::q41_group(group, job),
+        Backend::Avx2 => avx2::q41_group(group, job),
     }
 }
 
-fn q80_group(backend: Backend, group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
+fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
     match backend {
-        Backend::Scalar => scalar::q80_group(group, acts, out),
-        Backend::Avx2 => avx2::q80_group(group, acts, out),
+        Backend::Scalar => scalar::q80_group(group, job),
+        Backend::Avx2 => avx2::q80_group(group, job),
     }
 }
 

@@ -1,7 +1,6 @@
 //! Portable reference kernels. They define what the SIMD kernels must compute.
 
-use crate::matrix::{Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
-use crate::QuantActs;
+use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
 use half::f16;
 
 fn f16_to_f32(bits: u16) -> f32 {
@@ -21,12 +20,12 @@ fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
     &block.qs[start..start + 16]
 }
 
-/// Computes 8 rows × every token; `out[r * tokens + t]`.
-pub(crate) fn q41_group(group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f32]) {
-    let tokens = acts.rows();
+/// Computes 8 rows × the job's tokens.
+pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
+    let GroupJob { acts, tokens, out, stride } = job;
     for row in 0..GROUP_ROWS {
         let lane = q41_lane(row);
-        for token in 0..tokens {
+        for token in tokens.clone() {
             let mut sum = 0f32;
             for (w, a) in group.iter().zip(acts.row(token)) {
                 let nibbles = q41_row_nibbles(w, row);
@@ -37,16 +36,16 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], acts: &QuantActs, out: &mut [f3
                 }
                 sum += f16_to_f32(w.d[lane]) * a.d * sumi as f32 + f16_to_f32(w.m[lane]) * a.s;
             }
-            out[row * tokens + token] = sum;
+            out[row * stride + token] = sum;
         }
     }
 }
 
-/// Computes 8 rows × every token; `out[r * tokens + t]`.
-pub(crate) fn q80_group(group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f32]) {
-    let tokens = acts.rows();
+/// Computes 8 rows × the job's tokens.
+pub(crate) fn q80_group(group: &[Q80GroupBlock], job: GroupJob) {
+    let GroupJob { acts, tokens, out, stride } = job;
     for row in 0..GROUP_ROWS {
-        for token in 0..tokens {
+        for token in tokens.clone() {
             let mut sum = 0f32;
             for (w, a) in group.iter().zip(acts.row(token)) {
                 let weights = &w.qs[row * 32..(row + 1) * 32];
@@ -57,7 +56,7 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], acts: &QuantActs, out: &mut [f3
                     .sum();
                 sum += f16_to_f32(w.d[row]) * a.d * sumi as f32;
             }
-            out[row * tokens + token] = sum;
+            out[row * stride + token] = sum;
         }
     }
 }

@@ -78,10 +78,11 @@ fn check_matmul(format: WeightFormat, rows: usize, cols: usize, tokens: usize, s
     let mut acts = QuantActs::default();
     quantize_acts(&x, tokens, cols, &mut acts);
     let expected = naive_matmul(&values, rows, cols, &x, tokens);
+    let workers = Workers::new(2);
     let mut results = Vec::new();
     for backend in Backend::available() {
         let mut out = vec![0f32; tokens * rows];
-        matrix.matmul(backend, &acts, &mut out);
+        matrix.matmul(backend, &workers, &acts, &mut out);
         // Activation quantization error: ~|w|·|x|·sqrt(cols)/254 per output.
         let scale = expected.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
         for (i, (got, want)) in out.iter().zip(&expected).enumerate() {
@@ -108,6 +109,7 @@ fn q41_matmul_matches_dequantized_reference_on_every_backend() {
     check_matmul(WeightFormat::Q4_1, 64, 96, 1, 1);
     check_matmul(WeightFormat::Q4_1, 8, 32, 3, 2);
     check_matmul(WeightFormat::Q4_1, 136, 576, 5, 3);
+    check_matmul(WeightFormat::Q4_1, 64, 64, 131, 12);
 }
 
 #[test]
@@ -115,6 +117,7 @@ fn q80_matmul_matches_dequantized_reference_on_every_backend() {
     check_matmul(WeightFormat::Q8_0, 64, 96, 1, 4);
     check_matmul(WeightFormat::Q8_0, 8, 32, 4, 5);
     check_matmul(WeightFormat::Q8_0, 200, 576, 2, 6);
+    check_matmul(WeightFormat::Q8_0, 16, 64, 70, 13);
 }
 
 #[test]
@@ -252,9 +255,10 @@ proptest! {
             let matrix = QuantMatrix::from_gguf_bytes(format, 8, 64, &bytes[..len]).unwrap();
             let mut acts = QuantActs::default();
             quantize_acts(&[0.5; 64], 1, 64, &mut acts);
+            let workers = Workers::new(1);
             for backend in Backend::available() {
                 let mut out = vec![0f32; 8];
-                matrix.matmul(backend, &acts, &mut out);
+                matrix.matmul(backend, &workers, &acts, &mut out);
             }
         }
     }

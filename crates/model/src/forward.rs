@@ -7,7 +7,6 @@ use kernels::{
     softmax_in_place, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
-use rayon::prelude::*;
 
 /// One sequence's part of a batched step: `tokens` go at positions `start_pos..`, with K/V
 /// stored in (and attention reading from) the pages of `table`.
@@ -63,7 +62,7 @@ impl Model {
                 });
             }
         }
-        self.threads.install(|| self.run(steps, &mut views))
+        self.run(steps, &mut views)
     }
 
     fn check_steps(&self, steps: &[SeqStep]) -> Result<()> {
@@ -152,7 +151,7 @@ impl Model {
         let n = rows.len();
         self.norm_rows(&b.x, &weights.attn_norm, &mut b.normed);
         quantize_acts(&b.normed, n, c.dim, &mut b.acts);
-        weights.qkv.matmul(self.backend, &b.acts, &mut b.qkv);
+        weights.qkv.matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
         let qkv_width = c.dim + 2 * c.kv_dim();
         for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
             let (q, kv) = row.split_at_mut(c.dim);
@@ -164,7 +163,7 @@ impl Model {
         quantize_acts(&b.attn, n, c.dim, &mut b.acts);
         weights
             .attn_output
-            .matmul(self.backend, &b.acts, &mut b.proj);
+            .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
         add_in_place(&mut b.x, &b.proj);
     }
 
@@ -176,7 +175,7 @@ impl Model {
         quantize_acts(&b.normed, n, c.dim, &mut b.acts);
         weights
             .gate_up
-            .matmul(self.backend, &b.acts, &mut b.gate_up);
+            .matmul(self.backend, &self.workers, &b.acts, &mut b.gate_up);
         let rows = b
             .gate_up
             .chunks_exact_mut(2 * c.ffn_dim)
@@ -187,12 +186,12 @@ impl Model {
             hidden.copy_from_slice(gate);
         }
         quantize_acts(&b.hidden, n, c.ffn_dim, &mut b.acts);
-        weights.down.matmul(self.backend, &b.acts, &mut b.proj);
+        weights.down.matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
         add_in_place(&mut b.x, &b.proj);
     }
 
     /// Causal grouped-query attention for every row, reading K/V from the verified pages.
-    /// Work is split by (row, kv head): each task owns the output of that kv head's query heads.
+    /// One task per (row, query head), so decode at batch 1 still spreads over the threads.
     fn attend(
         &self,
         layer: usize,
@@ -202,44 +201,36 @@ impl Model {
         out: &mut [f32],
     ) {
         let c = &self.config;
-        let (head_dim, group) = (c.head_dim, c.group_size());
+        let head_dim = c.head_dim;
         let qkv_width = c.dim + 2 * c.kv_dim();
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
-        out.par_chunks_mut(group * head_dim)
-            .enumerate()
-            .for_each(|(chunk, out)| {
-                let (row, kv_head) = (chunk / c.kv_head_count, chunk % c.kv_head_count);
-                let source = rows[row];
-                let view = &views[source.seq];
-                let page_size = view.layout().page_size_tokens;
-                let context = source.pos + 1;
-                let mut scores = vec![0f32; context];
-                let mut q = vec![0f32; head_dim];
-                for (h, out) in out.chunks_exact_mut(head_dim).enumerate() {
-                    let head = kv_head * group + h;
-                    let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
-                    // The reference multiplies Q against the f16 cache in f16: round Q the same way.
-                    for (dst, &v) in q.iter_mut().zip(q_src) {
-                        *dst = f16::from_f32(v).to_f32();
-                    }
-                    for (page, scores) in scores.chunks_mut(page_size).enumerate() {
-                        let keys = view.head(page, layer, KvKind::Key, kv_head);
-                        for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
-                            *score = attention_dot_f16(backend, &q, key) * scale;
-                        }
-                    }
-                    softmax_in_place(&mut scores);
-                    out.fill(0.0);
-                    for (page, weights) in scores.chunks(page_size).enumerate() {
-                        let values = view.head(page, layer, KvKind::Value, kv_head);
-                        for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
-                            let weight = f16::from_f32(weight).to_f32();
-                            attention_axpy_f16(backend, out, weight, value);
-                        }
-                    }
+        self.workers.for_each_chunk_mut(out, head_dim, &|chunk, out| {
+            let (row, head) = (chunk / c.head_count, chunk % c.head_count);
+            let kv_head = head / c.group_size();
+            let source = rows[row];
+            let view = &views[source.seq];
+            let page_size = view.layout().page_size_tokens;
+            let mut scores = vec![0f32; source.pos + 1];
+            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+            let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
+            let q: Vec<f32> = q_src.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            for (page, scores) in scores.chunks_mut(page_size).enumerate() {
+                let keys = view.head(page, layer, KvKind::Key, kv_head);
+                for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
+                    *score = attention_dot_f16(backend, &q, key) * scale;
                 }
-            });
+            }
+            softmax_in_place(&mut scores);
+            out.fill(0.0);
+            for (page, weights) in scores.chunks(page_size).enumerate() {
+                let values = view.head(page, layer, KvKind::Value, kv_head);
+                for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
+                    let weight = f16::from_f32(weight).to_f32();
+                    attention_axpy_f16(backend, out, weight, value);
+                }
+            }
+        });
     }
 
     /// Final norm and output projection for the chosen rows.
@@ -261,8 +252,7 @@ impl Model {
         quantize_acts(&normed, rows.len(), c.dim, &mut acts);
         let output = self.output.as_ref().unwrap_or(&self.embedding);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
-        self.threads
-            .install(|| output.matmul(self.backend, &acts, &mut logits));
+        output.matmul(self.backend, &self.workers, &acts, &mut logits);
         logits
             .chunks_exact(c.vocab_size)
             .map(<[f32]>::to_vec)

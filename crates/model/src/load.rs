@@ -1,6 +1,6 @@
 use crate::{Error, LlamaConfig, Result};
 use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
-use kernels::{Backend, QuantMatrix, RopeTable, WeightFormat};
+use kernels::{Backend, QuantMatrix, RopeTable, WeightFormat, Workers};
 use std::path::Path;
 
 /// How to load and run a model.
@@ -50,7 +50,7 @@ pub struct Model {
     pub(crate) output: Option<QuantMatrix>,
     pub(crate) rope: RopeTable,
     pub(crate) backend: Backend,
-    pub(crate) threads: rayon::ThreadPool,
+    pub(crate) workers: Workers,
 }
 
 impl Model {
@@ -124,11 +124,6 @@ impl Model {
             Err(_) => None,
         };
         tick(tensors_total);
-        let threads = rayon::ThreadPoolBuilder::new()
-            .num_threads(options.threads.max(1))
-            .thread_name(|i| format!("airlock-compute-{i}"))
-            .build()
-            .map_err(|e| Error::Unsupported(format!("cannot start compute threads: {e}")))?;
         Ok(Model {
             rope: RopeTable::new(
                 config.head_dim,
@@ -141,7 +136,7 @@ impl Model {
             output_norm,
             output,
             backend: options.backend.unwrap_or_else(Backend::detect),
-            threads,
+            workers: Workers::new(options.threads),
         })
     }
 
@@ -154,7 +149,7 @@ impl Model {
     }
 
     pub fn thread_count(&self) -> usize {
-        self.threads.current_num_threads()
+        self.workers.threads()
     }
 
     /// Bytes of weights held in memory.

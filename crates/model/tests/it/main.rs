@@ -1,0 +1,15 @@
+//! Integration tests of the model crate against the real SmolLM2-135M-Instruct GGUF.
+//!
+//! - `reference`: tokenizer ids, greedy tokens and first-step logits against llama.cpp
+//!   (`tests/data/reference.json`), and chunked prefill against whole-prompt prefill.
+//! - `isolation`: I1 (a forward pass touches only pages its table still owns) and I9 (no page
+//!   leak), and that a batched step does not mix its sequences.
+//! - `generate`: the generation loop: length and stop endings, admission errors that leave the
+//!   pool untouched, seeded sampling, out-of-range tokens.
+//!
+//! The model is loaded once per binary (see `common::loaded`).
+
+mod common;
+mod generate;
+mod isolation;
+mod reference;
