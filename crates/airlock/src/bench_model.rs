@@ -49,18 +49,36 @@ pub fn run(args: Args) -> Result<()> {
         options.threads = threads;
         let loaded = Model::load(&path, &options, &mut |_| {})?;
         let figures = measure(&loaded.model, threads, &args)?;
-        let peer = if args.no_peer { None } else { peer(&path, threads, &args) };
+        let peer = if args.no_peer {
+            None
+        } else {
+            peer(&path, threads, &args)
+        };
         print_figures(&figures, peer.as_ref());
         rows.push((figures, peer));
     }
-    println!("\nsummary (median of {} reps; machine: {} cores)", args.reps, cores());
-    println!("threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode", args.prefill_tokens);
+    println!(
+        "\nsummary (median of {} reps; machine: {} cores)",
+        args.reps,
+        cores()
+    );
+    println!(
+        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode",
+        args.prefill_tokens
+    );
     for (f, peer) in &rows {
-        let b1 = f.decode_tok_s.iter().find(|(b, _)| *b == 1).map_or(f64::NAN, |x| x.1);
+        let b1 = f
+            .decode_tok_s
+            .iter()
+            .find(|(b, _)| *b == 1)
+            .map_or(f64::NAN, |x| x.1);
         let (rp, rd) = peer.as_ref().map_or((f64::NAN, f64::NAN), |p| {
             (f.prefill_tok_s / p.prefill_tok_s, b1 / p.decode_tok_s)
         });
-        println!("{:7} | {:17.1} | {:15.1} | {:12.2}x | {:11.2}x", f.threads, f.prefill_tok_s, b1, rp, rd);
+        println!(
+            "{:7} | {:17.1} | {:15.1} | {:12.2}x | {:11.2}x",
+            f.threads, f.prefill_tok_s, b1, rp, rd
+        );
     }
     Ok(())
 }
@@ -78,33 +96,55 @@ fn print_figures(f: &Figures, peer: Option<&Peer>) {
     match peer {
         Some(p) => {
             println!("{}  prefill: {:8.1} tok/s", p.engine, p.prefill_tok_s);
-            println!("{}  decode batch  1: {:8.1} tok/s", p.engine, p.decode_tok_s);
+            println!(
+                "{}  decode batch  1: {:8.1} tok/s",
+                p.engine, p.decode_tok_s
+            );
             println!(
                 "ratio     prefill {:.2}x, decode batch 1 {:.2}x",
                 f.prefill_tok_s / p.prefill_tok_s,
-                f.decode_tok_s.iter().find(|(b, _)| *b == 1).map_or(f64::NAN, |x| x.1)
+                f.decode_tok_s
+                    .iter()
+                    .find(|(b, _)| *b == 1)
+                    .map_or(f64::NAN, |x| x.1)
                     / p.decode_tok_s
             );
         }
-        None => println!("(no llama.cpp peer figures: llama-cpp-python not importable or --no-peer)"),
+        None => {
+            println!("(no llama.cpp peer figures: llama-cpp-python not importable or --no-peer)")
+        }
     }
 }
 
 fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     let vocab = model.config().vocab_size as u32;
     // Deterministic ordinary token ids; content does not change the arithmetic.
-    let prompt: Vec<u32> = (0..args.prefill_tokens as u32).map(|i| 200 + (i * 7919) % (vocab - 200)).collect();
+    let prompt: Vec<u32> = (0..args.prefill_tokens as u32)
+        .map(|i| 200 + (i * 7919) % (vocab - 200))
+        .collect();
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
     let per_seq = 16 + args.decode_tokens;
     let tokens = (args.prefill_tokens + 16).max(per_seq * max_batch);
     let layout = model.config().kv_layout(16);
-    let mut pool = PagePool::new(PoolConfig { layout, size: PoolSize::Tokens(tokens + 64 * 16), scrub_on_free: false })?;
+    let mut pool = PagePool::new(PoolConfig {
+        layout,
+        size: PoolSize::Tokens(tokens + 64 * 16),
+        scrub_on_free: false,
+    })?;
 
     let mut prefill = Vec::new();
     for rep in 0..args.reps + 1 {
         let table = pool.allocate(owner(0), prompt.len())?;
         let started = Instant::now();
-        model.forward(&mut pool, &[SeqStep { table: &table, tokens: &prompt, start_pos: 0, want_logits: true }])?;
+        model.forward(
+            &mut pool,
+            &[SeqStep {
+                table: &table,
+                tokens: &prompt,
+                start_pos: 0,
+                want_logits: true,
+            }],
+        )?;
         let secs = started.elapsed().as_secs_f64();
         pool.release(table)?;
         if rep > 0 {
@@ -115,24 +155,51 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     for &batch in &args.batches {
         let mut samples = Vec::new();
         for _ in 0..args.reps.min(3).max(1) {
-            samples.push(decode_run(model, &mut pool, batch, args.decode_tokens, &prompt[..16])?);
+            samples.push(decode_run(
+                model,
+                &mut pool,
+                batch,
+                args.decode_tokens,
+                &prompt[..16],
+            )?);
         }
         decode.push((batch, median(&mut samples)));
     }
-    Ok(Figures { threads, prefill_tok_s: median(&mut prefill), decode_tok_s: decode })
+    Ok(Figures {
+        threads,
+        prefill_tok_s: median(&mut prefill),
+        decode_tok_s: decode,
+    })
 }
 
 fn owner(request: u64) -> Owner {
-    Owner { tenant: TenantId(0), request: RequestId(request) }
+    Owner {
+        tenant: TenantId(0),
+        request: RequestId(request),
+    }
 }
 
 /// Aggregate tokens/s of `batch` sequences decoding `steps` tokens each in lockstep.
-fn decode_run(model: &Model, pool: &mut PagePool, batch: usize, steps: usize, prompt: &[u32]) -> Result<f64> {
+fn decode_run(
+    model: &Model,
+    pool: &mut PagePool,
+    batch: usize,
+    steps: usize,
+    prompt: &[u32],
+) -> Result<f64> {
     let tables: Vec<PageTable> = (0..batch)
         .map(|i| pool.allocate(owner(i as u64 + 1), prompt.len() + steps))
         .collect::<Result<_, _>>()?;
     for table in &tables {
-        model.forward(pool, &[SeqStep { table, tokens: prompt, start_pos: 0, want_logits: true }])?;
+        model.forward(
+            pool,
+            &[SeqStep {
+                table,
+                tokens: prompt,
+                start_pos: 0,
+                want_logits: true,
+            }],
+        )?;
     }
     let next: Vec<[u32; 1]> = (0..batch).map(|i| [300 + i as u32]).collect();
     let started = Instant::now();
@@ -140,7 +207,12 @@ fn decode_run(model: &Model, pool: &mut PagePool, batch: usize, steps: usize, pr
         let seqs: Vec<SeqStep> = tables
             .iter()
             .zip(&next)
-            .map(|(table, token)| SeqStep { table, tokens: token, start_pos: prompt.len() + step, want_logits: true })
+            .map(|(table, token)| SeqStep {
+                table,
+                tokens: token,
+                start_pos: prompt.len() + step,
+                want_logits: true,
+            })
             .collect();
         model.forward(pool, &seqs)?;
     }
@@ -168,16 +240,30 @@ fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
     let output = Command::new("python3")
         .arg(&script)
         .args(["--model", &model.display().to_string()])
-        .args(["--threads", &threads.to_string(), "--reps", &args.reps.to_string()])
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--reps",
+            &args.reps.to_string(),
+        ])
         .output()
         .context("running python3")
         .ok()?;
     if !output.status.success() {
-        eprintln!("llama.cpp peer failed: {}", String::from_utf8_lossy(&output.stderr).lines().last().unwrap_or(""));
+        eprintln!(
+            "llama.cpp peer failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        );
         return None;
     }
     let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout.lines().rev().find(|l| l.trim_start().starts_with('{'))?;
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))?;
     let json: serde_json::Value = serde_json::from_str(line).ok()?;
     Some(Peer {
         engine: json["engine"].as_str().unwrap_or("llama.cpp").to_string(),

@@ -5,22 +5,38 @@ use kernels::{quantize_acts, Backend, QuantActs, QuantMatrix, WeightFormat};
 use std::time::Instant;
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("numeric argument")).collect();
-    let (rows, cols, tokens) = (args.first().copied().unwrap_or(1536), args.get(1).copied().unwrap_or(576), args.get(2).copied().unwrap_or(1));
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("numeric argument"))
+        .collect();
+    let (rows, cols, tokens) = (
+        args.first().copied().unwrap_or(1536),
+        args.get(1).copied().unwrap_or(576),
+        args.get(2).copied().unwrap_or(1),
+    );
     let workers = kernels::Workers::new(1);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
-        let bytes: Vec<u8> = (0..rows * cols / 32 * format.block_bytes()).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
+        let bytes: Vec<u8> = (0..rows * cols / 32 * format.block_bytes())
+            .map(|i| (i * 7 % 251) as u8 & 0x3f)
+            .collect();
         let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).expect("valid shape");
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 13) % 17) as f32 - 8.0)
+            .collect();
         let mut acts = QuantActs::default();
         quantize_acts(&x, tokens, cols, &mut acts);
         let mut out = vec![0f32; rows * tokens];
         for backend in Backend::available() {
             let reps = (2e9 / (rows * cols * tokens) as f64).max(3.0) as usize;
             let started = Instant::now();
-            for _ in 0..reps { matrix.matmul(backend, &workers, &acts, &mut out) }
+            for _ in 0..reps {
+                matrix.matmul(backend, &workers, &acts, &mut out)
+            }
             let secs = started.elapsed().as_secs_f64();
-            println!("{format:?} {backend:?} {rows}x{cols} x{tokens}: {:.2} GMAC/s", (rows * cols * tokens * reps) as f64 / secs / 1e9);
+            println!(
+                "{format:?} {backend:?} {rows}x{cols} x{tokens}: {:.2} GMAC/s",
+                (rows * cols * tokens * reps) as f64 / secs / 1e9
+            );
         }
     }
 }

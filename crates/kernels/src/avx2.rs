@@ -45,10 +45,24 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
 /// The bounds the SIMD kernels rely on: one activation block per weight block, tokens within
 /// the activations, and an output of 8 rows × `stride`.
 fn check_job(blocks: usize, job: &GroupJob) {
-    assert_eq!(job.acts.cols() / crate::BLOCK, blocks, "one activation block per weight block");
-    assert!(job.tokens.end <= job.acts.rows(), "tokens within the activations");
-    assert!(job.tokens.end <= job.stride, "tokens within the output stride");
-    assert_eq!(job.out.len(), crate::matrix::GROUP_ROWS * job.stride, "output holds 8 rows");
+    assert_eq!(
+        job.acts.cols() / crate::BLOCK,
+        blocks,
+        "one activation block per weight block"
+    );
+    assert!(
+        job.tokens.end <= job.acts.rows(),
+        "tokens within the activations"
+    );
+    assert!(
+        job.tokens.end <= job.stride,
+        "tokens within the output stride"
+    );
+    assert_eq!(
+        job.out.len(),
+        crate::matrix::GROUP_ROWS * job.stride,
+        "output holds 8 rows"
+    );
 }
 
 pub(crate) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {

@@ -193,9 +193,17 @@ impl QuantMatrix {
 
     /// `out[t * rows + r] = W[r] · acts[t]`, spread over `workers` by row groups.
     pub fn matmul(&self, backend: Backend, workers: &Workers, acts: &QuantActs, out: &mut [f32]) {
-        assert_eq!(acts.cols(), self.cols, "activation width matches the matrix");
+        assert_eq!(
+            acts.cols(),
+            self.cols,
+            "activation width matches the matrix"
+        );
         let tokens = acts.rows();
-        assert_eq!(out.len(), tokens * self.rows, "output holds tokens*rows values");
+        assert_eq!(
+            out.len(),
+            tokens * self.rows,
+            "output holds tokens*rows values"
+        );
         if tokens == 1 {
             self.matmul_transposed(backend, workers, acts, out);
             return;
@@ -230,8 +238,14 @@ impl QuantMatrix {
             for first_token in (0..tokens).step_by(TOKEN_TILE) {
                 let tile = first_token..(first_token + TOKEN_TILE).min(tokens);
                 for (i, out) in out.chunks_exact_mut(group_floats).enumerate() {
-                    let blocks = (first_group + i) * blocks_per_row..(first_group + i + 1) * blocks_per_row;
-                    let job = GroupJob { acts, tokens: tile.clone(), out, stride: tokens };
+                    let blocks =
+                        (first_group + i) * blocks_per_row..(first_group + i + 1) * blocks_per_row;
+                    let job = GroupJob {
+                        acts,
+                        tokens: tile.clone(),
+                        out,
+                        stride: tokens,
+                    };
                     match &self.storage {
                         Storage::Q41(all) => q41_group(backend, &all[blocks], job),
                         Storage::Q80(all) => q80_group(backend, &all[blocks], job),

@@ -22,7 +22,12 @@ fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
 
 /// Computes 8 rows × the job's tokens.
 pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
-    let GroupJob { acts, tokens, out, stride } = job;
+    let GroupJob {
+        acts,
+        tokens,
+        out,
+        stride,
+    } = job;
     for row in 0..GROUP_ROWS {
         let lane = q41_lane(row);
         for token in tokens.clone() {
@@ -43,7 +48,12 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
 
 /// Computes 8 rows × the job's tokens.
 pub(crate) fn q80_group(group: &[Q80GroupBlock], job: GroupJob) {
-    let GroupJob { acts, tokens, out, stride } = job;
+    let GroupJob {
+        acts,
+        tokens,
+        out,
+        stride,
+    } = job;
     for row in 0..GROUP_ROWS {
         for token in tokens.clone() {
             let mut sum = 0f32;

@@ -51,7 +51,10 @@ impl Workers {
     pub fn new(threads: usize) -> Workers {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            job: UnsafeCell::new(Job { task: None, count: 0 }),
+            job: UnsafeCell::new(Job {
+                task: None,
+                count: 0,
+            }),
             next: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
@@ -66,7 +69,11 @@ impl Workers {
                     .expect("the OS can start a compute thread")
             })
             .collect();
-        Workers { shared, handles, region: Mutex::new(()) }
+        Workers {
+            shared,
+            handles,
+            region: Mutex::new(()),
+        }
     }
 
     /// Threads that run tasks, the caller included.
@@ -88,7 +95,12 @@ impl Workers {
         // the job again (see `Shared`).
         let task: Task<'static> = unsafe { std::mem::transmute::<Task<'_>, Task<'static>>(task) };
         // SAFETY: all workers finished the previous epoch (we waited) and we hold `region`.
-        unsafe { *shared.job.get() = Job { task: Some(task), count: tasks } };
+        unsafe {
+            *shared.job.get() = Job {
+                task: Some(task),
+                count: tasks,
+            }
+        };
         shared.next.store(0, Ordering::Relaxed);
         shared.finished.store(0, Ordering::Relaxed);
         shared.epoch.fetch_add(1, Ordering::Release);
@@ -118,7 +130,8 @@ impl Workers {
         task: &(dyn Fn(usize, &mut [T]) + Sync),
     ) {
         // One uncontended lock per chunk hands each task its disjoint `&mut` safely.
-        let chunks: Vec<Mutex<&mut [T]>> = data.chunks_mut(chunk_len.max(1)).map(Mutex::new).collect();
+        let chunks: Vec<Mutex<&mut [T]>> =
+            data.chunks_mut(chunk_len.max(1)).map(Mutex::new).collect();
         self.for_each(chunks.len(), &|i| {
             let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
             task(i, &mut chunk);

@@ -25,10 +25,19 @@ pub struct PagePool {
     headers: Vec<PageHeader>,
     /// One allocation per page, so a batch can hold disjoint `&mut` to several pages through
     /// safe slice splitting, without `unsafe`.
-    storage: Vec<Box<[f16]>>,
+    storage: Vec<Page>,
     /// LIFO: the most recently freed page is reused first, which makes a stale read show up
     /// at once in tests instead of hiding behind untouched pages.
     free: Vec<PageId>,
+}
+
+/// One page's KV bytes and how many of its token slots the current owner has written.
+struct Page {
+    data: Box<[f16]>,
+    /// Slots `0..written_tokens` hold K/V written since the page's last allocation; the rest
+    /// still hold whatever an earlier owner left (pages are not zeroed), so nothing may read
+    /// them. Reset at every allocation.
+    written_tokens: usize,
 }
 
 /// Proof that a table's pages were checked: `&'p mut` to exactly the table's pages, in table
@@ -37,7 +46,7 @@ pub struct PagePool {
 pub struct PageView<'p> {
     owner: Owner,
     layout: KvLayout,
-    pages: Vec<&'p mut [f16]>,
+    pages: Vec<&'p mut Page>,
 }
 
 impl PageTable {
@@ -116,7 +125,10 @@ impl PagePool {
             scrub_on_free: config.scrub_on_free,
             headers: vec![header; page_count],
             storage: (0..page_count)
-                .map(|_| vec![f16::ZERO; page_elems].into_boxed_slice())
+                .map(|_| Page {
+                    data: vec![f16::ZERO; page_elems].into_boxed_slice(),
+                    written_tokens: 0,
+                })
                 .collect(),
             // Reversed so that a fresh pool hands out page 0 first.
             free: (0..page_count as u32).rev().map(PageId).collect(),
@@ -198,7 +210,7 @@ impl PagePool {
             header.owner = None;
             header.state = PageState::Free;
             if self.scrub_on_free {
-                self.storage[page.index()].fill(SCRUB_FILL);
+                self.storage[page.index()].data.fill(SCRUB_FILL);
             }
             self.free.push(page);
         }
@@ -239,13 +251,13 @@ impl PagePool {
     pub fn verify_batch<'p>(&'p mut self, tables: &[&PageTable]) -> Result<Vec<PageView<'p>>> {
         let claims = self.verify_tables(tables, Access::Bytes)?;
         let layout = self.layout;
-        let mut slots: Vec<Vec<Option<&'p mut [f16]>>> = tables
+        let mut slots: Vec<Vec<Option<&'p mut Page>>> = tables
             .iter()
             .map(|table| (0..table.pages.len()).map(|_| None).collect())
             .collect();
         // Claims are sorted and distinct, so each one lies beyond the previous: split the
         // storage just past it and keep walking the tail. Safe disjoint borrows, one per page.
-        let mut rest: &'p mut [Box<[f16]>] = &mut self.storage;
+        let mut rest: &'p mut [Page] = &mut self.storage;
         let mut rest_first_index = 0;
         for claim in claims {
             let skip = claim.page.index() - rest_first_index;
@@ -253,7 +265,7 @@ impl PagePool {
             let (page, after) = from_claim
                 .split_first_mut()
                 .expect("a verified page id is below page_count, so the tail is not empty");
-            slots[claim.table_index][claim.position] = Some(&mut page[..]);
+            slots[claim.table_index][claim.position] = Some(page);
             rest = after;
             rest_first_index = claim.page.index() + 1;
         }
@@ -283,7 +295,15 @@ impl PagePool {
         );
         let page_elems = self.layout.page_elems();
         for page in &self.storage {
-            assert_eq!(page.len(), page_elems, "every page has the layout's size");
+            assert_eq!(
+                page.data.len(),
+                page_elems,
+                "every page has the layout's size"
+            );
+            assert!(
+                page.written_tokens <= self.layout.page_size_tokens,
+                "written within the page"
+            );
         }
         let mut on_free_list = vec![false; page_count];
         for page in &self.free {
@@ -341,6 +361,7 @@ impl PagePool {
             header.generation = Generation(next.expect("2^64 allocations of one page"));
             header.owner = Some(table.owner);
             header.state = PageState::Writing;
+            self.storage[page.index()].written_tokens = 0;
             table.pages.push((page, header.generation));
         }
         Ok(())
@@ -444,7 +465,7 @@ impl<'p> PageView<'p> {
     /// Panics when an index is out of range: that is a bug in the caller, not bad input.
     pub fn head(&self, page_index: usize, layer: usize, kind: KvKind, kv_head: usize) -> &[f16] {
         let start = self.layout.head_offset(layer, kind, kv_head);
-        &self.pages[page_index][start..start + self.layout.head_elems()]
+        &self.pages[page_index].data[start..start + self.layout.head_elems()]
     }
 
     /// Mutable form of [`PageView::head`].
@@ -457,18 +478,44 @@ impl<'p> PageView<'p> {
     ) -> &mut [f16] {
         let start = self.layout.head_offset(layer, kind, kv_head);
         let head_elems = self.layout.head_elems();
-        &mut self.pages[page_index][start..start + head_elems]
+        &mut self.pages[page_index].data[start..start + head_elems]
     }
 
     /// All of page number `page_index` of this table (`layout.page_elems()` f16), e.g. to
     /// checksum or send it whole.
     pub fn page(&self, page_index: usize) -> &[f16] {
-        &self.pages[page_index][..]
+        &self.pages[page_index].data[..]
     }
 
     /// Mutable form of [`PageView::page`].
     pub fn page_mut(&mut self, page_index: usize) -> &mut [f16] {
-        &mut self.pages[page_index][..]
+        &mut self.pages[page_index].data[..]
+    }
+
+    /// Tokens written from the start of the table since its pages were allocated: positions
+    /// at or past this still hold an earlier owner's bytes and must not be read.
+    pub fn written_tokens(&self) -> usize {
+        let page_size = self.layout.page_size_tokens;
+        let mut written = 0;
+        for page in &self.pages {
+            written += page.written_tokens;
+            if page.written_tokens < page_size {
+                break;
+            }
+        }
+        written
+    }
+
+    /// Records that positions `0..tokens` now hold this owner's K/V. Panics past capacity.
+    pub fn mark_written(&mut self, tokens: usize) {
+        assert!(
+            tokens <= self.capacity_tokens(),
+            "written tokens within the table"
+        );
+        let page_size = self.layout.page_size_tokens;
+        for (i, page) in self.pages.iter_mut().enumerate() {
+            page.written_tokens = tokens.saturating_sub(i * page_size).min(page_size);
+        }
     }
 }
 

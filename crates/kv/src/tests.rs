@@ -783,3 +783,24 @@ fn ghost_fill_is_visibly_not_zero() {
     assert_ne!(SCRUB_FILL, f16::ZERO);
     assert!(SCRUB_FILL.is_finite());
 }
+
+#[test]
+fn written_tokens_track_the_owner_and_reset_on_reallocation() {
+    let mut pool = pool(4, false);
+    let page_size = pool.layout().page_size_tokens;
+    let a = pool.allocate(owner(1, 1), 3 * page_size).unwrap();
+    {
+        let mut views = pool.verify_batch(&[&a]).unwrap();
+        assert_eq!(views[0].written_tokens(), 0);
+        views[0].mark_written(page_size + 1);
+        assert_eq!(views[0].written_tokens(), page_size + 1);
+    }
+    assert_eq!(
+        pool.verify_batch(&[&a]).unwrap()[0].written_tokens(),
+        page_size + 1
+    );
+    pool.release(a).unwrap();
+    // The same pages come back to a new owner: what A wrote does not count as B's.
+    let b = pool.allocate(owner(2, 2), 3 * page_size).unwrap();
+    assert_eq!(pool.verify_batch(&[&b]).unwrap()[0].written_tokens(), 0);
+}

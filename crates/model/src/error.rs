@@ -32,6 +32,10 @@ pub enum Error {
     #[error("page table holds {capacity} tokens but the step needs {needed}")]
     PageTableTooSmall { needed: usize, capacity: usize },
     #[error(
+        "step starts at position {start_pos} but only {written} positions hold this request's K/V"
+    )]
+    UnwrittenPositions { start_pos: usize, written: usize },
+    #[error(
         "prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the context \
          length {context_length}; shorten the prompt or lower max_tokens"
     )]

@@ -56,13 +56,25 @@ impl Model {
         for (step, view) in steps.iter().zip(&views) {
             let needed = step.start_pos + step.tokens.len();
             if needed > view.capacity_tokens() {
-                return Err(Error::PageTableTooSmall {
-                    needed,
-                    capacity: view.capacity_tokens(),
+                let capacity = view.capacity_tokens();
+                return Err(Error::PageTableTooSmall { needed, capacity });
+            }
+            // Slots past what this owner wrote hold an earlier owner's K/V: attending to them
+            // would answer from someone else's memory.
+            if step.start_pos > view.written_tokens() {
+                let written = view.written_tokens();
+                return Err(Error::UnwrittenPositions {
+                    start_pos: step.start_pos,
+                    written,
                 });
             }
         }
-        self.run(steps, &mut views)
+        let logits = self.run(steps, &mut views)?;
+        for (step, view) in steps.iter().zip(&mut views) {
+            let end = step.start_pos + step.tokens.len();
+            view.mark_written(end.max(view.written_tokens()));
+        }
+        Ok(logits)
     }
 
     fn check_steps(&self, steps: &[SeqStep]) -> Result<()> {
@@ -151,7 +163,9 @@ impl Model {
         let n = rows.len();
         self.norm_rows(&b.x, &weights.attn_norm, &mut b.normed);
         quantize_acts(&b.normed, n, c.dim, &mut b.acts);
-        weights.qkv.matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
+        weights
+            .qkv
+            .matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
         let qkv_width = c.dim + 2 * c.kv_dim();
         for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
             let (q, kv) = row.split_at_mut(c.dim);
@@ -186,7 +200,9 @@ impl Model {
             hidden.copy_from_slice(gate);
         }
         quantize_acts(&b.hidden, n, c.ffn_dim, &mut b.acts);
-        weights.down.matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
+        weights
+            .down
+            .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
         add_in_place(&mut b.x, &b.proj);
     }
 
@@ -205,32 +221,33 @@ impl Model {
         let qkv_width = c.dim + 2 * c.kv_dim();
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
-        self.workers.for_each_chunk_mut(out, head_dim, &|chunk, out| {
-            let (row, head) = (chunk / c.head_count, chunk % c.head_count);
-            let kv_head = head / c.group_size();
-            let source = rows[row];
-            let view = &views[source.seq];
-            let page_size = view.layout().page_size_tokens;
-            let mut scores = vec![0f32; source.pos + 1];
-            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
-            let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
-            let q: Vec<f32> = q_src.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            for (page, scores) in scores.chunks_mut(page_size).enumerate() {
-                let keys = view.head(page, layer, KvKind::Key, kv_head);
-                for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
-                    *score = attention_dot_f16(backend, &q, key) * scale;
+        self.workers
+            .for_each_chunk_mut(out, head_dim, &|chunk, out| {
+                let (row, head) = (chunk / c.head_count, chunk % c.head_count);
+                let kv_head = head / c.group_size();
+                let source = rows[row];
+                let view = &views[source.seq];
+                let page_size = view.layout().page_size_tokens;
+                let mut scores = vec![0f32; source.pos + 1];
+                // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+                let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
+                let q: Vec<f32> = q_src.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+                for (page, scores) in scores.chunks_mut(page_size).enumerate() {
+                    let keys = view.head(page, layer, KvKind::Key, kv_head);
+                    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
+                        *score = attention_dot_f16(backend, &q, key) * scale;
+                    }
                 }
-            }
-            softmax_in_place(&mut scores);
-            out.fill(0.0);
-            for (page, weights) in scores.chunks(page_size).enumerate() {
-                let values = view.head(page, layer, KvKind::Value, kv_head);
-                for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
-                    let weight = f16::from_f32(weight).to_f32();
-                    attention_axpy_f16(backend, out, weight, value);
+                softmax_in_place(&mut scores);
+                out.fill(0.0);
+                for (page, weights) in scores.chunks(page_size).enumerate() {
+                    let values = view.head(page, layer, KvKind::Value, kv_head);
+                    for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
+                        let weight = f16::from_f32(weight).to_f32();
+                        attention_axpy_f16(backend, out, weight, value);
+                    }
                 }
-            }
-        });
+            });
     }
 
     /// Final norm and output projection for the chosen rows.

@@ -120,12 +120,14 @@ pub fn snapshot(pool: &mut PagePool, table: &PageTable) -> Vec<Vec<u16>> {
         .collect()
 }
 
-/// Largest absolute element-wise difference; panics on different lengths.
+/// Largest absolute element-wise difference (infinite where either side is NaN); panics on
+/// different lengths.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
+        .map(|d| if d.is_nan() { f32::INFINITY } else { d })
         .fold(0.0, f32::max)
 }
 
