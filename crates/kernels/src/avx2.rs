@@ -65,25 +65,38 @@ fn check_job(blocks: usize, job: &GroupJob) {
     );
 }
 
-pub(crate) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
-    assert_eq!(q.len(), k.len(), "dot product operands have equal length");
+pub(crate) fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
+    assert!(
+        keys.len() >= scores.len() * q.len(),
+        "a key for every score"
+    );
     #[cfg(target_arch = "x86_64")]
     if cpu_ok() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above); lengths are equal.
-        return unsafe { x86::dot_f16(q, k) };
-    }
-    scalar::dot_f16(q, k)
-}
-
-pub(crate) fn axpy_f16(out: &mut [f32], weight: f32, v: &[f16]) {
-    assert_eq!(out.len(), v.len(), "axpy operands have equal length");
-    #[cfg(target_arch = "x86_64")]
-    if cpu_ok() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above); lengths are equal.
-        unsafe { x86::axpy_f16(out, weight, v) };
+        // SAFETY: the CPU has avx2, fma and f16c (checked just above); `keys` holds
+        // `scores.len()` keys of `q.len()` values (asserted above).
+        unsafe { x86::scores_f16(q, keys, scale, scores) };
         return;
     }
-    scalar::axpy_f16(out, weight, v)
+    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
+        *score = scalar::dot_f16(q, key) * scale;
+    }
+}
+
+pub(crate) fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
+    assert!(
+        values.len() >= weights.len() * out.len(),
+        "a value for every weight"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if cpu_ok() {
+        // SAFETY: the CPU has avx2, fma and f16c (checked just above); `values` holds
+        // `weights.len()` values of `out.len()` (asserted above).
+        unsafe { x86::mix_f16(weights, values, out) };
+        return;
+    }
+    for (&weight, value) in weights.iter().zip(values.chunks_exact(out.len())) {
+        scalar::axpy_f16(out, f16::from_f32(weight).to_f32(), value);
+    }
 }
 
 // Inside these functions nearly every line is an intrinsic; the safety contract is the
@@ -202,6 +215,29 @@ mod x86 {
         _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
         for (row, value) in lanes.iter().enumerate() {
             job.out[row * job.stride + token] = *value;
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `keys.len() >= scores.len() * q.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
+        let width = q.len();
+        for (i, score) in scores.iter_mut().enumerate() {
+            *score = dot_f16(q, keys.get_unchecked(i * width..(i + 1) * width)) * scale;
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `values.len() >= weights.len() * out.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
+        let width = out.len();
+        for (i, &weight) in weights.iter().enumerate() {
+            // Round the probability through f16 in one instruction each way.
+            let rounded = _mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(weight), _MM_FROUND_TO_NEAREST_INT));
+            let value = values.get_unchecked(i * width..(i + 1) * width);
+            axpy_f16(out, _mm_cvtss_f32(rounded), value);
         }
     }
 

@@ -19,7 +19,7 @@ mod workers;
 pub use backend::Backend;
 pub use matrix::{QuantMatrix, WeightFormat};
 pub use ops::{
-    add_in_place, attention_axpy_f16, attention_dot_f16, rms_norm, rope_in_place, silu_mul,
+    add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rope_in_place, silu_mul,
     softmax_in_place, RopeTable,
 };
 pub use quant::{quantize_acts, ActBlock, QuantActs, BLOCK};

@@ -211,9 +211,13 @@ impl QuantMatrix {
         // Each task writes whole rows for every token: compute transposed, then turn around.
         let mut transposed = vec![0f32; out.len()];
         self.matmul_transposed(backend, workers, acts, &mut transposed);
-        for (row, values) in transposed.chunks_exact(tokens).enumerate() {
-            for (token, value) in values.iter().enumerate() {
-                out[token * self.rows + row] = *value;
+        // Eight rows at a time, so each token's writes land in one cache line.
+        for (group, values) in transposed.chunks_exact(GROUP_ROWS * tokens).enumerate() {
+            for token in 0..tokens {
+                let dst = &mut out[token * self.rows + group * GROUP_ROWS..][..GROUP_ROWS];
+                for (r, d) in dst.iter_mut().enumerate() {
+                    *d = values[r * tokens + token];
+                }
             }
         }
     }

@@ -47,19 +47,43 @@ pub fn softmax_in_place(x: &mut [f32]) {
     }
 }
 
-/// `q · k` with `k` stored as f16 (the KV cache's element type).
-pub fn attention_dot_f16(backend: Backend, q: &[f32], k: &[f16]) -> f32 {
+/// `scores[i] = scale * (q · keys[i])` for each `q.len()`-wide key in `keys` (f16, the KV
+/// cache's element type); `scores.len()` keys are read.
+pub fn attention_scores_f16(
+    backend: Backend,
+    q: &[f32],
+    keys: &[f16],
+    scale: f32,
+    scores: &mut [f32],
+) {
+    assert!(
+        keys.len() >= scores.len() * q.len(),
+        "a key for every score"
+    );
     match backend {
-        Backend::Scalar => scalar::dot_f16(q, k),
-        Backend::Avx2 => avx2::dot_f16(q, k),
+        Backend::Scalar => {
+            for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
+                *score = scalar::dot_f16(q, key) * scale;
+            }
+        }
+        Backend::Avx2 => avx2::scores_f16(q, keys, scale, scores),
     }
 }
 
-/// `out += weight * v` with `v` stored as f16.
-pub fn attention_axpy_f16(backend: Backend, out: &mut [f32], weight: f32, v: &[f16]) {
+/// `out += Σ_i weights[i] * values[i]` for `out.len()`-wide values (f16); each weight is
+/// rounded to f16 first, as the reference multiplies probabilities by V in f16.
+pub fn attention_mix_f16(backend: Backend, weights: &[f32], values: &[f16], out: &mut [f32]) {
+    assert!(
+        values.len() >= weights.len() * out.len(),
+        "a value for every weight"
+    );
     match backend {
-        Backend::Scalar => scalar::axpy_f16(out, weight, v),
-        Backend::Avx2 => avx2::axpy_f16(out, weight, v),
+        Backend::Scalar => {
+            for (&weight, value) in weights.iter().zip(values.chunks_exact(out.len())) {
+                scalar::axpy_f16(out, f16::from_f32(weight).to_f32(), value);
+            }
+        }
+        Backend::Avx2 => avx2::mix_f16(weights, values, out),
     }
 }
 

@@ -71,7 +71,11 @@ pub fn quantize_acts(x: &[f32], rows: usize, cols: usize, out: &mut QuantActs) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn quantize_blocks_avx2(x: &[f32], out: &mut Vec<ActBlock>) {
-    out.extend(x.chunks_exact(BLOCK).map(quantize_block));
+    // A plain loop, not an iterator adapter: `quantize_block` must inline here, where the
+    // target features apply, or rounding falls back to a libm call.
+    for chunk in x.chunks_exact(BLOCK) {
+        out.push(quantize_block(chunk));
+    }
 }
 
 #[inline(always)]

@@ -203,22 +203,37 @@ fn quantized_activations_round_trip_within_half_a_step() {
 }
 
 #[test]
-fn f16_dot_and_axpy_agree_across_backends() {
+fn attention_scores_and_mix_agree_with_plain_arithmetic_on_every_backend() {
     let mut rng = Rng(10);
-    for len in [1, 7, 8, 64, 67] {
-        let q: Vec<f32> = (0..len).map(|_| rng.f32()).collect();
-        let k: Vec<f16> = (0..len).map(|_| f16::from_f32(rng.f32())).collect();
-        let want: f32 = q.iter().zip(&k).map(|(a, b)| a * b.to_f32()).sum();
+    for width in [8, 64, 67] {
+        let count = 5;
+        let q: Vec<f32> = (0..width).map(|_| rng.f32()).collect();
+        let keys: Vec<f16> = (0..width * count)
+            .map(|_| f16::from_f32(rng.f32()))
+            .collect();
+        let weights: Vec<f32> = (0..count).map(|_| rng.f32().abs()).collect();
         for backend in Backend::available() {
-            let got = attention_dot_f16(backend, &q, &k);
-            assert!(
-                (got - want).abs() < 1e-4,
-                "{backend:?} len {len}: {got} vs {want}"
-            );
-            let mut out = q.clone();
-            attention_axpy_f16(backend, &mut out, 0.5, &k);
-            for ((o, a), b) in out.iter().zip(&q).zip(&k) {
-                assert!((o - (a + 0.5 * b.to_f32())).abs() < 1e-6);
+            let mut scores = vec![0f32; count];
+            attention_scores_f16(backend, &q, &keys, 0.5, &mut scores);
+            for (i, score) in scores.iter().enumerate() {
+                let key = &keys[i * width..(i + 1) * width];
+                let want: f32 = q.iter().zip(key).map(|(a, b)| a * b.to_f32()).sum::<f32>() * 0.5;
+                assert!(
+                    (score - want).abs() < 1e-4,
+                    "{backend:?} width {width}: {score} vs {want}"
+                );
+            }
+            let mut out = vec![1f32; width];
+            attention_mix_f16(backend, &weights, &keys, &mut out);
+            for (d, o) in out.iter().enumerate() {
+                let want: f32 = 1.0
+                    + (0..count)
+                        .map(|i| f16::from_f32(weights[i]).to_f32() * keys[i * width + d].to_f32())
+                        .sum::<f32>();
+                assert!(
+                    (o - want).abs() < 1e-4,
+                    "{backend:?} width {width}: {o} vs {want}"
+                );
             }
         }
     }

@@ -2,17 +2,27 @@
 //!
 //! A decode step runs ~150 parallel regions of a few tens of microseconds each; a general
 //! pool that puts threads to sleep between them loses a large share of each region to wake-ups.
-//! Here workers spin briefly between regions (they park after `SPIN_LIMIT` idle rounds, so an
-//! idle server burns no CPU) and the calling thread takes part in the work.
+//! Here workers spin briefly between regions (then park, so an idle server burns no CPU), the
+//! calling thread takes part in the work, and a region never waits for a worker that did not
+//! join it: on a busy machine a descheduled worker costs its share of speed, not a time slice.
+//!
+//! Protocol: the caller publishes a job (task, count) and opens it; workers join by bumping
+//! `active`, then re-check that the job is open before touching it; tasks are claimed with
+//! `next`. When all tasks are `done`, the caller closes the job and waits for `active == 0`,
+//! after which no worker can still hold the job, and only then returns (the task borrows the
+//! caller's stack). All flags use SeqCst: the join (`active` up, then read `open`) and the close
+//! (`open` down, then read `active`) must not both miss each other.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 /// Idle polls before a worker parks (a few hundred microseconds of spinning).
 const SPIN_LIMIT: u32 = 20_000;
+/// Polls before a waiting caller starts yielding its core to whoever holds the work.
+const CALLER_SPIN_LIMIT: u32 = 2_000;
 
 type Task<'a> = &'a (dyn Fn(usize) + Sync);
 
@@ -23,19 +33,21 @@ struct Job {
 }
 
 struct Shared {
-    /// Bumped once per region; workers run each epoch exactly once.
+    /// Bumped once per region, so idle workers notice new work.
     epoch: AtomicU64,
     job: UnsafeCell<Job>,
+    open: AtomicBool,
     next: AtomicUsize,
-    /// Workers that have finished the current epoch.
-    finished: AtomicUsize,
+    done: AtomicUsize,
+    /// Workers currently joined to the job.
+    active: AtomicUsize,
     panicked: AtomicBool,
     shutdown: AtomicBool,
 }
 
-// SAFETY: `job` is written only by the thread holding `Workers::region` while every worker
-// has finished the previous epoch (so none reads it), and read by workers only between seeing
-// a new epoch and bumping `finished`, during which the writer waits.
+// SAFETY: `job` is written only by the caller holding `Workers::region` while the job is
+// closed and `active == 0` (no worker reads it then), and read by workers only while they are
+// counted in `active` and saw `open` (the caller waits for them before writing again).
 unsafe impl Sync for Shared {}
 
 /// A fixed set of compute threads; `for_each` runs `tasks` closures across them.
@@ -55,8 +67,10 @@ impl Workers {
                 task: None,
                 count: 0,
             }),
+            open: AtomicBool::new(false),
             next: AtomicUsize::new(0),
-            finished: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
         });
@@ -65,7 +79,7 @@ impl Workers {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("airlock-compute-{i}"))
-                    .spawn(move || worker_loop(&shared, 0))
+                    .spawn(move || worker_loop(&shared))
                     .expect("the OS can start a compute thread")
             })
             .collect();
@@ -90,37 +104,34 @@ impl Workers {
         }
         let _region = self.region.lock().unwrap_or_else(|e| e.into_inner());
         let shared = &*self.shared;
-        // SAFETY: the lifetime is erased only for the duration of this call: we do not return
-        // until every worker has bumped `finished` for this epoch, after which none touches
-        // the job again (see `Shared`).
+        // SAFETY: the lifetime is erased only for the duration of this call: we return only
+        // after closing the job and seeing `active == 0` (see the module comment).
         let task: Task<'static> = unsafe { std::mem::transmute::<Task<'_>, Task<'static>>(task) };
-        // SAFETY: all workers finished the previous epoch (we waited) and we hold `region`.
+        // SAFETY: the job is closed and no worker is active (the previous call waited).
         unsafe {
             *shared.job.get() = Job {
                 task: Some(task),
                 count: tasks,
             }
         };
-        shared.next.store(0, Ordering::Relaxed);
-        shared.finished.store(0, Ordering::Relaxed);
-        shared.epoch.fetch_add(1, Ordering::Release);
+        shared.next.store(0, SeqCst);
+        shared.done.store(0, SeqCst);
+        shared.open.store(true, SeqCst);
+        shared.epoch.fetch_add(1, SeqCst);
         for handle in &self.handles {
             handle.thread().unpark();
         }
         run_tasks(shared, task, tasks);
-        let workers = self.handles.len();
-        while shared.finished.load(Ordering::Acquire) < workers {
-            std::hint::spin_loop();
-        }
-        // SAFETY: every worker is done with this epoch; drop our reference to the task.
+        wait_until(|| shared.done.load(SeqCst) >= tasks);
+        shared.open.store(false, SeqCst);
+        wait_until(|| shared.active.load(SeqCst) == 0);
+        // SAFETY: closed and no worker active: nobody reads the job now.
         unsafe { (*shared.job.get()).task = None };
-        if shared.panicked.swap(false, Ordering::Relaxed) {
+        if shared.panicked.swap(false, SeqCst) {
             panic!("a compute task panicked");
         }
     }
-}
 
-impl Workers {
     /// Splits `data` into `chunk_len`-sized chunks (the last may be shorter) and runs
     /// `task(chunk_index, chunk)` for each, spread over the threads.
     pub fn for_each_chunk_mut<T: Send>(
@@ -139,10 +150,64 @@ impl Workers {
     }
 }
 
+fn wait_until(condition: impl Fn() -> bool) {
+    let mut polls = 0u32;
+    while !condition() {
+        polls += 1;
+        if polls < CALLER_SPIN_LIMIT {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn run_tasks(shared: &Shared, task: Task<'_>, count: usize) {
+    loop {
+        let i = shared.next.fetch_add(1, SeqCst);
+        if i >= count {
+            return;
+        }
+        if catch_unwind(AssertUnwindSafe(|| task(i))).is_err() {
+            shared.panicked.store(true, SeqCst);
+        }
+        shared.done.fetch_add(1, SeqCst);
+    }
+}
+
+fn worker_loop(shared: &Shared) {
+    let mut seen = 0;
+    loop {
+        let mut idle = 0u32;
+        while shared.epoch.load(SeqCst) == seen {
+            idle += 1;
+            if idle < SPIN_LIMIT {
+                std::hint::spin_loop();
+            } else {
+                std::thread::park_timeout(std::time::Duration::from_millis(50));
+            }
+        }
+        seen = shared.epoch.load(SeqCst);
+        if shared.shutdown.load(SeqCst) {
+            return;
+        }
+        shared.active.fetch_add(1, SeqCst);
+        if shared.open.load(SeqCst) {
+            // SAFETY: we are counted in `active` and saw the job open, so the caller will not
+            // rewrite or drop the job until we leave (see the module comment).
+            let job = unsafe { &*shared.job.get() };
+            if let Some(task) = job.task {
+                run_tasks(shared, task, job.count);
+            }
+        }
+        shared.active.fetch_sub(1, SeqCst);
+    }
+}
+
 impl Drop for Workers {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.epoch.fetch_add(1, Ordering::Release);
+        self.shared.shutdown.store(true, SeqCst);
+        self.shared.epoch.fetch_add(1, SeqCst);
         for handle in self.handles.drain(..) {
             handle.thread().unpark();
             // A worker only exits through the loop's shutdown check; it cannot have panicked.
@@ -151,52 +216,10 @@ impl Drop for Workers {
     }
 }
 
-fn run_tasks(shared: &Shared, task: Task<'_>, count: usize) {
-    loop {
-        let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= count {
-            return;
-        }
-        if catch_unwind(AssertUnwindSafe(|| task(i))).is_err() {
-            shared.panicked.store(true, Ordering::Relaxed);
-        }
-    }
-}
-
-/// `seen` is the epoch at pool creation: a worker that starts late must still run the first
-/// region, so it must not read the current epoch as already seen.
-fn worker_loop(shared: &Shared, mut seen: u64) {
-    loop {
-        let mut idle = 0u32;
-        let epoch = loop {
-            let epoch = shared.epoch.load(Ordering::Acquire);
-            if epoch != seen {
-                break epoch;
-            }
-            idle += 1;
-            if idle < SPIN_LIMIT {
-                std::hint::spin_loop();
-            } else {
-                std::thread::park_timeout(std::time::Duration::from_millis(50));
-            }
-        };
-        seen = epoch;
-        if shared.shutdown.load(Ordering::Acquire) {
-            return;
-        }
-        // SAFETY: a new epoch was published with Release after the job was written, and the
-        // publisher will not change it until we bump `finished` below.
-        let job = unsafe { &*shared.job.get() };
-        if let Some(task) = job.task {
-            run_tasks(shared, task, job.count);
-        }
-        shared.finished.fetch_add(1, Ordering::Release);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     #[test]
     fn every_task_runs_exactly_once_across_many_regions() {
@@ -224,6 +247,18 @@ mod tests {
             sum.fetch_add(i, Ordering::Relaxed);
         });
         assert_eq!(sum.load(Ordering::Relaxed), 45);
+    }
+
+    #[test]
+    fn chunks_are_handed_out_disjoint_and_complete() {
+        let workers = Workers::new(2);
+        let mut data = vec![0usize; 1000];
+        workers.for_each_chunk_mut(&mut data, 7, &|chunk, values| {
+            for (i, v) in values.iter_mut().enumerate() {
+                *v += chunk * 7 + i;
+            }
+        });
+        assert!(data.iter().enumerate().all(|(i, &v)| v == i));
     }
 
     #[test]

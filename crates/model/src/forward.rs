@@ -3,7 +3,7 @@
 use crate::{Error, Model, Result};
 use half::f16;
 use kernels::{
-    add_in_place, attention_axpy_f16, attention_dot_f16, quantize_acts, rms_norm, silu_mul,
+    add_in_place, attention_mix_f16, attention_scores_f16, quantize_acts, rms_norm, silu_mul,
     softmax_in_place, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
@@ -234,18 +234,13 @@ impl Model {
                 let q: Vec<f32> = q_src.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
                 for (page, scores) in scores.chunks_mut(page_size).enumerate() {
                     let keys = view.head(page, layer, KvKind::Key, kv_head);
-                    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(head_dim)) {
-                        *score = attention_dot_f16(backend, &q, key) * scale;
-                    }
+                    attention_scores_f16(backend, &q, keys, scale, scores);
                 }
                 softmax_in_place(&mut scores);
                 out.fill(0.0);
                 for (page, weights) in scores.chunks(page_size).enumerate() {
                     let values = view.head(page, layer, KvKind::Value, kv_head);
-                    for (&weight, value) in weights.iter().zip(values.chunks_exact(head_dim)) {
-                        let weight = f16::from_f32(weight).to_f32();
-                        attention_axpy_f16(backend, out, weight, value);
-                    }
+                    attention_mix_f16(backend, weights, values, out);
                 }
             });
     }

@@ -76,6 +76,7 @@ fn page_ids(table: &PageTable) -> Vec<PageId> {
 
 #[test]
 fn stale_table_of_a_released_request_is_refused_and_writes_nothing_into_the_new_owners_pages() {
+    let _serial = common::serial();
     let mut pool = small_pool();
     let (a_prompt, b_prompt) = (encode(A_PROMPT), encode(B_PROMPT));
 
@@ -141,6 +142,7 @@ fn stale_table_of_a_released_request_is_refused_and_writes_nothing_into_the_new_
 
 #[test]
 fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_refused() {
+    let _serial = common::serial();
     let mut pool = small_pool();
     let attacker = owner(1, 11);
     let victim = owner(2, 21);
@@ -185,6 +187,7 @@ fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_
 
 #[test]
 fn table_naming_a_released_or_unknown_page_is_refused() {
+    let _serial = common::serial();
     let mut pool = small_pool();
     let keeper = pool.allocate(owner(3, 30), REQUEST_TOKENS).unwrap();
     let c = pool.allocate(owner(4, 40), REQUEST_TOKENS).unwrap();
@@ -241,6 +244,7 @@ fn table_naming_a_released_or_unknown_page_is_refused() {
 
 #[test]
 fn two_tables_sharing_a_page_in_one_batch_are_refused_with_duplicate_page() {
+    let _serial = common::serial();
     let mut pool = small_pool();
     let b_owner = owner(2, 22);
     let b = pool.allocate(b_owner, REQUEST_TOKENS).unwrap();
@@ -317,6 +321,7 @@ const BATCH_TOLERANCE: f32 = 1e-3;
 
 #[test]
 fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
+    let _serial = common::serial();
     let mut pool = common::pool(64 * PAGE_SIZE);
     let prompts = [
         encode("The capital of France is"),
@@ -431,17 +436,14 @@ fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
     release_all_and_check_pool_is_whole(&mut pool, all);
 }
 
-/// A step that starts past what its own table has written attends over whatever its pages
-/// hold. Pages are reused without zeroing, so a request that skips (or loses) its prefill is
-/// answered from the previous owner's KV: the header check passes, because the pages are now
-/// really its own. `forward` has no record of which slots the current owner wrote.
-///
-/// Fails at commit afa4d22: B's logits equal A's continuation bit for bit (max abs diff 0).
-/// Ignored until `forward` (or the pool) refuses a step whose `start_pos` is beyond the tokens
-/// the table's owner wrote, or freed pages are scrubbed.
+/// A step that starts past what its own table has written would attend over whatever its pages
+/// hold. Pages are reused without zeroing, so a request that skips (or loses) its prefill
+/// would be answered from the previous owner's KV, and the header check cannot see it: the
+/// pages are now really the request's own. Before commit 4c4faa0 this step succeeded with
+/// logits equal to A's continuation bit for bit; now `forward` must refuse it.
 #[test]
-#[ignore = "engine hole: a step past the owner's written tokens reads the previous owner's KV"]
-fn step_past_the_tokens_a_request_wrote_is_not_answered_from_the_previous_owners_kv() {
+fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv() {
+    let _serial = common::serial();
     let mut pool = small_pool();
     let a_prompt = encode(A_PROMPT);
     let a = pool.allocate(owner(1, 12), REQUEST_TOKENS).unwrap();
@@ -458,13 +460,37 @@ fn step_past_the_tokens_a_request_wrote_is_not_answered_from_the_previous_owners
         start_pos: a_prompt.len(),
         want_logits: true,
     };
-    if let Ok(mut logits) = common::model().forward(&mut pool, &[step]) {
-        let diff = max_abs_diff(&logits.pop().unwrap(), &a_continuation);
-        assert!(
-            diff > 1.0,
-            "tenant B was answered from tenant A's KV: its logits equal A's continuation \
-             (max abs diff {diff})"
-        );
+    match common::model().forward(&mut pool, &[step]) {
+        Err(Error::UnwrittenPositions { start_pos, written }) => {
+            assert_eq!(start_pos, a_prompt.len());
+            assert_eq!(written, 0);
+        }
+        Ok(mut logits) => {
+            let diff = max_abs_diff(&logits.pop().unwrap(), &a_continuation);
+            panic!(
+                "a step past B's written tokens ran (logits vs A's continuation: max abs diff \
+                 {diff}; 0 means B was answered from A's KV)"
+            );
+        }
+        Err(other) => panic!("expected UnwrittenPositions, got {other:?}"),
+    }
+
+    // Writing from position 0 is always allowed, and then the next position is.
+    prefill(&mut pool, &b, &encode(B_PROMPT));
+    let b_len = encode(B_PROMPT).len();
+    decode(&mut pool, &b, next, b_len);
+    // A gap of one position inside B's own pages is refused as well.
+    let step = SeqStep {
+        table: &b,
+        tokens: &[next],
+        start_pos: b_len + 2,
+        want_logits: true,
+    };
+    match common::model().forward(&mut pool, &[step]) {
+        Err(Error::UnwrittenPositions { start_pos, written }) => {
+            assert_eq!((start_pos, written), (b_len + 2, b_len + 1));
+        }
+        other => panic!("expected UnwrittenPositions, got {other:?}"),
     }
     release_all_and_check_pool_is_whole(&mut pool, vec![b]);
 }

@@ -227,6 +227,7 @@ fn first_difference(
 
 #[test]
 fn tokenizer_gives_llama_cpp_prompt_ids_for_every_reference_prompt() {
+    let _serial = common::serial();
     let fixture = common::loaded();
     let mut failures = Vec::new();
     for case in cases() {
@@ -267,6 +268,7 @@ fn tokenizer_gives_llama_cpp_prompt_ids_for_every_reference_prompt() {
 
 #[test]
 fn greedy_64_tokens_equal_llama_cpp_token_for_token() {
+    let _serial = common::serial();
     let mut failures = Vec::new();
     for (index, (case, run)) in cases().iter().zip(whole_prompt_runs()).enumerate() {
         assert_eq!(run.tokens.len(), 64, "{}: stop_at_eos is off", case.name);
@@ -307,6 +309,7 @@ const TEACHER_FORCED_MAX_PROMPT: usize = 256;
 
 #[test]
 fn teacher_forced_top1_equals_llama_cpp_wherever_its_margin_is_clear() {
+    let _serial = common::serial();
     let mut report = String::new();
     let mut failures = Vec::new();
     let (mut agree, mut total) = (0, 0);
@@ -360,6 +363,7 @@ const LOGIT_TOLERANCE: f32 = 2.0;
 
 #[test]
 fn first_step_logits_are_close_to_llama_cpp() {
+    let _serial = common::serial();
     let mut report = String::new();
     let mut failures = Vec::new();
     for (case, run) in cases().iter().zip(whole_prompt_runs()) {
@@ -405,6 +409,7 @@ fn first_step_logits_are_close_to_llama_cpp() {
 
 #[test]
 fn prefill_in_chunks_of_7_gives_the_same_tokens_as_whole_prompt_prefill() {
+    let _serial = common::serial();
     let chunked = greedy_runs(7);
     let mut failures = Vec::new();
     for ((case, whole), chunked) in cases().iter().zip(whole_prompt_runs()).zip(&chunked) {
