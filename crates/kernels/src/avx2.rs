@@ -223,8 +223,34 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
         let width = q.len();
-        for (i, score) in scores.iter_mut().enumerate() {
-            *score = dot_f16(q, keys.get_unchecked(i * width..(i + 1) * width)) * scale;
+        let mut i = 0;
+        if width % 8 == 0 {
+            // Four keys per pass: each chunk of q is loaded once for four keys, and one
+            // reduction tree finishes all four dot products.
+            while i + 4 <= scores.len() {
+                let base = keys.as_ptr().add(i * width);
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for c in (0..width).step_by(8) {
+                    let qv = _mm256_loadu_ps(q.as_ptr().add(c));
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        let kv = _mm_loadu_si128(base.add(k * width + c) as *const __m128i);
+                        *acc = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(kv), *acc);
+                    }
+                }
+                let h = _mm256_hadd_ps(
+                    _mm256_hadd_ps(acc[0], acc[1]),
+                    _mm256_hadd_ps(acc[2], acc[3]),
+                );
+                let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                _mm_storeu_ps(
+                    scores.as_mut_ptr().add(i),
+                    _mm_mul_ps(sums, _mm_set1_ps(scale)),
+                );
+                i += 4;
+            }
+        }
+        for j in i..scores.len() {
+            scores[j] = dot_f16(q, keys.get_unchecked(j * width..(j + 1) * width)) * scale;
         }
     }
 
@@ -232,13 +258,50 @@ mod x86 {
     /// The CPU must support avx2, fma and f16c; `values.len() >= weights.len() * out.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
+        if out.len() == 64 {
+            mix_f16_in_registers::<8>(weights, values, out);
+            return;
+        }
         let width = out.len();
         for (i, &weight) in weights.iter().enumerate() {
-            // Round the probability through f16 in one instruction each way.
-            let rounded = _mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(weight), _MM_FROUND_TO_NEAREST_INT));
             let value = values.get_unchecked(i * width..(i + 1) * width);
-            axpy_f16(out, _mm_cvtss_f32(rounded), value);
+            axpy_f16(out, round_through_f16(weight), value);
         }
+    }
+
+    /// `mix_f16` for `out.len() == 8 * CHUNKS`, with `out` held in registers across weights.
+    ///
+    /// # Safety
+    /// As `mix_f16`, and `out.len() == 8 * CHUNKS`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mix_f16_in_registers<const CHUNKS: usize>(
+        weights: &[f32],
+        values: &[f16],
+        out: &mut [f32],
+    ) {
+        let width = 8 * CHUNKS;
+        let mut acc: [__m256; CHUNKS] =
+            std::array::from_fn(|c| _mm256_loadu_ps(out.as_ptr().add(8 * c)));
+        for (i, &weight) in weights.iter().enumerate() {
+            let w = _mm256_set1_ps(round_through_f16(weight));
+            let base = values.as_ptr().add(i * width);
+            for (c, acc) in acc.iter_mut().enumerate() {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(base.add(8 * c) as *const __m128i));
+                *acc = _mm256_fmadd_ps(w, v, *acc);
+            }
+        }
+        for (c, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(8 * c), *acc);
+        }
+    }
+
+    /// The reference multiplies probabilities by V in f16: round the same way.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn round_through_f16(x: f32) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(
+            _mm_set_ss(x),
+            _MM_FROUND_TO_NEAREST_INT,
+        )))
     }
 
     /// # Safety
