@@ -154,7 +154,7 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     let mut decode = Vec::new();
     for &batch in &args.batches {
         let mut samples = Vec::new();
-        for _ in 0..args.reps.min(3).max(1) {
+        for _ in 0..args.reps.clamp(1, 3) {
             samples.push(decode_run(
                 model,
                 &mut pool,

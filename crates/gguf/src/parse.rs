@@ -300,7 +300,7 @@ fn place_tensor(
     alignment: u64,
     file_len: u64,
 ) -> Result<TensorInfo> {
-    if raw.relative_offset % alignment != 0 {
+    if !raw.relative_offset.is_multiple_of(alignment) {
         return Err(Error::MisalignedTensor {
             tensor: raw.name,
             offset: raw.relative_offset,

@@ -224,7 +224,7 @@ mod x86 {
     pub(super) unsafe fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
         let width = q.len();
         let mut i = 0;
-        if width % 8 == 0 {
+        if width.is_multiple_of(8) {
             // Four keys per pass: each chunk of q is loaded once for four keys, and one
             // reduction tree finishes all four dot products.
             while i + 4 <= scores.len() {
@@ -249,8 +249,8 @@ mod x86 {
                 i += 4;
             }
         }
-        for j in i..scores.len() {
-            scores[j] = dot_f16(q, keys.get_unchecked(j * width..(j + 1) * width)) * scale;
+        for (j, score) in scores.iter_mut().enumerate().skip(i) {
+            *score = dot_f16(q, keys.get_unchecked(j * width..(j + 1) * width)) * scale;
         }
     }
 

@@ -67,7 +67,8 @@ impl QuantMatrix {
         cols: usize,
         bytes: &[u8],
     ) -> Result<QuantMatrix> {
-        if rows == 0 || cols == 0 || rows % GROUP_ROWS != 0 || cols % BLOCK != 0 {
+        if rows == 0 || cols == 0 || !rows.is_multiple_of(GROUP_ROWS) || !cols.is_multiple_of(BLOCK)
+        {
             return Err(Error::UnsupportedShape { rows, cols });
         }
         let blocks_per_row = cols / BLOCK;

@@ -98,7 +98,7 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(head_dim: usize, freq_base: f32, positions: usize) -> RopeTable {
-        assert!(head_dim % 2 == 0, "rotary dimension is even");
+        assert!(head_dim.is_multiple_of(2), "rotary dimension is even");
         let pairs = head_dim / 2;
         let theta_scale = freq_base.powf(-2.0 / head_dim as f32);
         let mut cos_sin = Vec::with_capacity(positions * pairs);

@@ -39,7 +39,7 @@ impl LlamaConfig {
             layer_count: file.get_u32(&key("block_count"))? as usize,
             head_count,
             kv_head_count,
-            head_dim: if head_count == 0 { 0 } else { dim / head_count },
+            head_dim: dim.checked_div(head_count).unwrap_or(0),
             rope_freq_base: file.get_f32_or(&key("rope.freq_base"), 10000.0)?,
             norm_eps: file.get_f32(&key("attention.layer_norm_rms_epsilon"))?,
             context_length: file.get_u32(&key("context_length"))? as usize,
@@ -53,10 +53,15 @@ impl LlamaConfig {
         if self.head_count == 0 || self.kv_head_count == 0 || self.layer_count == 0 {
             return bad("zero heads or layers");
         }
-        if self.dim % self.head_count != 0 || self.head_count % self.kv_head_count != 0 {
+        if !self.dim.is_multiple_of(self.head_count)
+            || !self.head_count.is_multiple_of(self.kv_head_count)
+        {
             return bad("heads do not divide the embedding width");
         }
-        if self.head_dim % 8 != 0 || self.dim % 32 != 0 || self.ffn_dim % 32 != 0 {
+        if !self.head_dim.is_multiple_of(8)
+            || !self.dim.is_multiple_of(32)
+            || !self.ffn_dim.is_multiple_of(32)
+        {
             return bad("widths must be multiples of 32 (head size of 8)");
         }
         if self.vocab_size == 0 || self.context_length == 0 || self.context_length > 1 << 20 {
