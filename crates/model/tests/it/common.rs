@@ -4,7 +4,7 @@ use gguf::{ChatTemplate, Tokenizer};
 use kv::{Owner, PagePool, PageTable, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{GenerateRequest, Generated, LoadOptions, Model, SamplingParams};
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::OnceLock;
 
 /// Tokens per KV page in every pool these tests build.
 pub const PAGE_SIZE: usize = 16;
@@ -13,19 +13,6 @@ pub struct Fixture {
     pub model: Model,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
-}
-
-/// Held by every test for its whole run, so tests use the model one at a time.
-///
-/// The forward pass already uses every core (2 threads on the 2-core test machine) through a
-/// spin-then-park worker pool; two tests calling it at once oversubscribe the cores and the
-/// spinning makes the whole binary several times slower (measured: ~90 s serial work took
-/// ~285 s with the harness's 2 test threads). A test that panics poisons nothing here.
-pub fn serial() -> MutexGuard<'static, ()> {
-    static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The workspace root (two levels above this crate).

@@ -24,7 +24,6 @@ fn generate(pool: &mut PagePool, request: &GenerateRequest) -> model::Result<mod
 
 #[test]
 fn max_tokens_8_gives_8_tokens_and_finish_reason_length() {
-    let _serial = common::serial();
     let mut request = greedy_request(&prompt(), 8, 512);
     request.stop_at_eos = true;
     let (generated, streamed) = generate_in_fresh_pool(&request);
@@ -45,7 +44,6 @@ fn max_tokens_8_gives_8_tokens_and_finish_reason_length() {
 
 #[test]
 fn stop_string_from_the_reference_continuation_cuts_the_text_before_it() {
-    let _serial = common::serial();
     // llama.cpp continues "The capital of France is" with " Paris.\n\nThe United States has a
     // population of ..." (tests/data/reference.json, capital_france).
     let stop = "United States";
@@ -84,7 +82,6 @@ fn stop_string_from_the_reference_continuation_cuts_the_text_before_it() {
 
 #[test]
 fn prompt_plus_max_tokens_over_the_context_length_is_refused_before_allocating() {
-    let _serial = common::serial();
     let context_length = common::model().config().context_length;
     let prompt = prompt();
     let mut pool = common::pool(context_length + 4 * PAGE_SIZE);
@@ -120,7 +117,6 @@ fn prompt_plus_max_tokens_over_the_context_length_is_refused_before_allocating()
 
 #[test]
 fn pool_too_small_for_the_request_fails_with_out_of_pages_and_changes_nothing() {
-    let _serial = common::serial();
     let mut pool = common::pool(4 * PAGE_SIZE);
     let free = pool.pages_free();
     let prompt = prompt();
@@ -174,7 +170,6 @@ fn sampled(seed: u64) -> Vec<u32> {
 
 #[test]
 fn seeded_temperature_sampling_repeats_with_the_same_seed_and_differs_with_another() {
-    let _serial = common::serial();
     let first = sampled(1234);
     let again = sampled(1234);
     let other = sampled(98765);
@@ -184,7 +179,6 @@ fn seeded_temperature_sampling_repeats_with_the_same_seed_and_differs_with_anoth
 
 #[test]
 fn out_of_range_token_is_refused_before_any_kv_write_and_leaks_nothing() {
-    let _serial = common::serial();
     let vocab_size = common::model().config().vocab_size;
     let bad = vocab_size as u32;
     let mut pool = common::pool(8 * PAGE_SIZE);

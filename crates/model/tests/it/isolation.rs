@@ -76,7 +76,6 @@ fn page_ids(table: &PageTable) -> Vec<PageId> {
 
 #[test]
 fn stale_table_of_a_released_request_is_refused_and_writes_nothing_into_the_new_owners_pages() {
-    let _serial = common::serial();
     let mut pool = small_pool();
     let (a_prompt, b_prompt) = (encode(A_PROMPT), encode(B_PROMPT));
 
@@ -142,7 +141,6 @@ fn stale_table_of_a_released_request_is_refused_and_writes_nothing_into_the_new_
 
 #[test]
 fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_refused() {
-    let _serial = common::serial();
     let mut pool = small_pool();
     let attacker = owner(1, 11);
     let victim = owner(2, 21);
@@ -187,7 +185,6 @@ fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_
 
 #[test]
 fn table_naming_a_released_or_unknown_page_is_refused() {
-    let _serial = common::serial();
     let mut pool = small_pool();
     let keeper = pool.allocate(owner(3, 30), REQUEST_TOKENS).unwrap();
     let c = pool.allocate(owner(4, 40), REQUEST_TOKENS).unwrap();
@@ -244,7 +241,6 @@ fn table_naming_a_released_or_unknown_page_is_refused() {
 
 #[test]
 fn two_tables_sharing_a_page_in_one_batch_are_refused_with_duplicate_page() {
-    let _serial = common::serial();
     let mut pool = small_pool();
     let b_owner = owner(2, 22);
     let b = pool.allocate(b_owner, REQUEST_TOKENS).unwrap();
@@ -321,7 +317,6 @@ const BATCH_TOLERANCE: f32 = 1e-3;
 
 #[test]
 fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
-    let _serial = common::serial();
     let mut pool = common::pool(64 * PAGE_SIZE);
     let prompts = [
         encode("The capital of France is"),
@@ -443,7 +438,6 @@ fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
 /// logits equal to A's continuation bit for bit; now `forward` must refuse it.
 #[test]
 fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv() {
-    let _serial = common::serial();
     let mut pool = small_pool();
     let a_prompt = encode(A_PROMPT);
     let a = pool.allocate(owner(1, 12), REQUEST_TOKENS).unwrap();
