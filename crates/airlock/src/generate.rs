@@ -41,8 +41,8 @@ pub struct Args {
     #[arg(long)]
     ignore_eos: bool,
     /// KV page size in tokens
-    #[arg(long, default_value_t = 16)]
-    page_size: usize,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    page_size: u16,
     /// KV pool capacity in tokens [default: the model's context length]
     #[arg(long)]
     kv_tokens: Option<usize>,
@@ -96,14 +96,24 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("prompt tokens: {prompt:?}");
     }
 
-    let layout = model.config().kv_layout(args.page_size);
+    let layout = model.config().kv_layout(args.page_size as usize);
     let kv_tokens = args.kv_tokens.unwrap_or(model.config().context_length);
     let config = PoolConfig {
         layout,
         size: PoolSize::Tokens(kv_tokens),
         scrub_on_free: false,
     };
-    let mut pool = PagePool::new(config).context("creating the KV pool")?;
+    let mut pool = PagePool::new(config).context("creating the KV pool (see --kv-tokens)")?;
+    let needed = prompt.len() + args.max_tokens;
+    if needed <= model.config().context_length && needed > pool.capacity_tokens() {
+        anyhow::bail!(
+            "the prompt ({} tokens) plus --max-tokens {} needs {needed} KV tokens but the pool \
+             holds {}; raise --kv-tokens or lower --max-tokens",
+            prompt.len(),
+            args.max_tokens,
+            pool.capacity_tokens()
+        );
+    }
     let request = GenerateRequest {
         prompt,
         max_tokens: args.max_tokens,

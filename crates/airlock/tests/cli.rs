@@ -8,24 +8,39 @@ fn airlock() -> Command {
 }
 
 fn model_path() -> String {
-    let default = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let default =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let path = std::env::var("AIRLOCK_MODEL").unwrap_or_else(|_| default.display().to_string());
-    assert!(Path::new(&path).is_file(), "model missing at {path}: run scripts/fetch-model.sh");
+    assert!(
+        Path::new(&path).is_file(),
+        "model missing at {path}: run scripts/fetch-model.sh"
+    );
     path
 }
 
 #[test]
 fn missing_model_fails_with_the_fetch_command() {
     let output = airlock()
-        .args(["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"])
+        .args([
+            "generate",
+            "--prompt",
+            "hi",
+            "--model",
+            "/nonexistent/model.gguf",
+        ])
         .env_remove("AIRLOCK_MODEL")
         .output()
         .expect("the binary runs");
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("scripts/fetch-model.sh"), "stderr: {stderr}");
-    assert!(stderr.contains("/nonexistent/model.gguf"), "stderr: {stderr}");
+    assert!(
+        stderr.contains("scripts/fetch-model.sh"),
+        "stderr: {stderr}"
+    );
+    assert!(
+        stderr.contains("/nonexistent/model.gguf"),
+        "stderr: {stderr}"
+    );
 }
 
 #[test]
@@ -41,19 +56,36 @@ fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
         .output()
         .expect("the binary runs");
     std::fs::remove_dir_all(&dir).ok();
-    assert_eq!(output.status.code(), Some(1), "an error exit, not a panic (101)");
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "an error exit, not a panic (101)"
+    );
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("truncated.gguf"), "stderr names the file: {stderr}");
+    assert!(
+        stderr.contains("truncated.gguf"),
+        "stderr names the file: {stderr}"
+    );
 }
 
 #[test]
 fn generate_streams_greedy_text_and_reports_speed() {
     let output = airlock()
-        .args(["generate", "--prompt", "The capital of France is", "--max-tokens", "4"])
+        .args([
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+        ])
         .args(["--threads", "1", "--model", &model_path()])
         .output()
         .expect("the binary runs");
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let stdout = String::from_utf8_lossy(&output.stdout);
     // llama.cpp's greedy continuation starts " Paris." (tests/data/reference.json).
     assert!(stdout.starts_with(" Paris."), "stdout: {stdout:?}");
@@ -65,10 +97,21 @@ fn generate_streams_greedy_text_and_reports_speed() {
 #[test]
 fn context_overflow_is_a_clear_error() {
     let output = airlock()
-        .args(["generate", "--prompt", "hello", "--max-tokens", "9000", "--model", &model_path()])
+        .args([
+            "generate",
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "9000",
+            "--model",
+            &model_path(),
+        ])
         .output()
         .expect("the binary runs");
     assert_eq!(output.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("exceeds the context length 8192"), "stderr: {stderr}");
+    assert!(
+        stderr.contains("exceeds the context length 8192"),
+        "stderr: {stderr}"
+    );
 }

@@ -11,30 +11,65 @@ fn main() {
         "scalar" => kernels::Backend::Scalar,
         _ => kernels::Backend::Avx2,
     });
-    let options = LoadOptions { threads: 2, backend };
-    let loaded = Model::load(&root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"), &options, &mut |_| {})
-        .expect("model loads");
-    let reference: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(root.join("tests/data/reference.json")).expect("reference"))
-            .expect("json");
+    let options = LoadOptions {
+        threads: 2,
+        backend,
+    };
+    let loaded = Model::load(
+        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        &options,
+        &mut |_| {},
+    )
+    .expect("model loads");
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(root.join("tests/data/reference.json")).expect("reference"),
+    )
+    .expect("json");
     let layout = loaded.model.config().kv_layout(16);
-    let mut pool = PagePool::new(PoolConfig { layout, size: PoolSize::Tokens(4096), scrub_on_free: false })
-        .expect("pool");
+    let mut pool = PagePool::new(PoolConfig {
+        layout,
+        size: PoolSize::Tokens(4096),
+        scrub_on_free: false,
+    })
+    .expect("pool");
     for case in reference["cases"].as_array().expect("cases") {
         let name = case["name"].as_str().expect("name");
-        let prompt: Vec<u32> =
-            case["prompt_tokens"].as_array().expect("ids").iter().map(|v| v.as_u64().expect("id") as u32).collect();
-        let bytes = std::fs::read(root.join(format!("tests/data/reference_logits/{name}.f32"))).expect("logits");
-        let theirs: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let owner = Owner { tenant: TenantId(0), request: RequestId(1) };
+        let prompt: Vec<u32> = case["prompt_tokens"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        let bytes = std::fs::read(root.join(format!("tests/data/reference_logits/{name}.f32")))
+            .expect("logits");
+        let theirs: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let owner = Owner {
+            tenant: TenantId(0),
+            request: RequestId(1),
+        };
         let table = pool.allocate(owner, prompt.len()).expect("pages");
         let ours = loaded
             .model
-            .forward(&mut pool, &[SeqStep { table: &table, tokens: &prompt, start_pos: 0, want_logits: true }])
+            .forward(
+                &mut pool,
+                &[SeqStep {
+                    table: &table,
+                    tokens: &prompt,
+                    start_pos: 0,
+                    want_logits: true,
+                }],
+            )
             .expect("forward")
             .remove(0);
         pool.release(table).expect("release");
-        let diffs: Vec<f32> = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).collect();
+        let diffs: Vec<f32> = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(a, b)| (a - b).abs())
+            .collect();
         let max = diffs.iter().cloned().fold(0f32, f32::max);
         let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
         let shift = ours.iter().zip(&theirs).map(|(a, b)| a - b).sum::<f32>() / diffs.len() as f32;

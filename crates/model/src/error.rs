@@ -6,11 +6,11 @@ pub enum Error {
         path: String,
         source: std::io::Error,
     },
-    #[error("model file: {0}")]
+    #[error(transparent)]
     Gguf(#[from] gguf::Error),
-    #[error("model weights: {0}")]
+    #[error(transparent)]
     Kernels(#[from] kernels::Error),
-    #[error("KV pages: {0}")]
+    #[error(transparent)]
     Kv(#[from] kv::Error),
     #[error("unsupported model: {0}")]
     Unsupported(String),
