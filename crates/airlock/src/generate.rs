@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use gguf::ChatMessage;
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{GenerateRequest, Model, SamplingParams};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 #[derive(clap::Args, Debug)]
@@ -57,13 +57,18 @@ pub fn run(args: Args) -> Result<()> {
     let path = args.model.resolve_model()?;
     eprintln!("loading {}", path.display());
     let started = Instant::now();
+    // A live counter on a terminal; nothing per tensor in a log.
+    let live = std::io::stderr().is_terminal();
     let loaded = Model::load(&path, &args.model.load_options(), &mut |p| {
-        eprint!("\r  tensors {}/{}", p.tensors_done, p.tensors_total);
+        if live {
+            eprint!("\r  tensors {}/{}", p.tensors_done, p.tensors_total);
+        }
     })
     .with_context(|| format!("loading {}", path.display()))?;
     let model = &loaded.model;
     eprintln!(
-        "\rloaded in {:.2}s: {} layers, {} MiB of weights, {} threads, {} kernels",
+        "{}loaded in {:.2}s: {} layers, {} MiB of weights, {} threads, {} kernels",
+        if live { "\r" } else { "" },
         started.elapsed().as_secs_f64(),
         model.config().layer_count,
         model.weight_bytes() >> 20,
