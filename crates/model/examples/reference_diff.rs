@@ -73,6 +73,43 @@ fn main() {
         let max = diffs.iter().cloned().fold(0f32, f32::max);
         let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
         let shift = ours.iter().zip(&theirs).map(|(a, b)| a - b).sum::<f32>() / diffs.len() as f32;
-        println!("{name:>20}: max {max:.4} mean {mean:.4} mean shift {shift:+.4}");
+        let request = model::GenerateRequest {
+            prompt: prompt.clone(),
+            max_tokens: 64,
+            sampling: model::SamplingParams::greedy(),
+            stop: Vec::new(),
+            stop_at_eos: false,
+            prefill_chunk: 512,
+        };
+        let generated = model::generate(
+            &loaded.model,
+            &loaded.tokenizer,
+            &mut pool,
+            owner,
+            &request,
+            &mut |_| {},
+        )
+        .expect("generate");
+        let expected: Vec<u32> = case["greedy_tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        let margins = case["top1_top2_margins"].as_array().expect("margins");
+        let equal = generated
+            .tokens
+            .iter()
+            .zip(&expected)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let margin = margins
+            .get(equal)
+            .and_then(|m| m.as_f64())
+            .unwrap_or(f64::NAN);
+        println!(
+            "{name:>20}: logits max {max:.4} mean {mean:.4} shift {shift:+.4}; greedy equal for {equal}/64 \
+             (llama.cpp margin at the first difference {margin:.4})"
+        );
     }
 }

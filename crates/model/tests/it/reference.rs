@@ -266,13 +266,14 @@ fn tokenizer_gives_llama_cpp_prompt_ids_for_every_reference_prompt() {
 }
 
 /// A step where llama.cpp's own top-1/top-2 logit margin is below this is a near-tie: which
-/// way it falls depends on float summation order. Two correct orderings (our scalar and AVX2
-/// kernels) move first-step logits by up to ~1.0, mostly as a common shift, and move the gap
-/// between two logits by up to ~0.16 (every teacher-forced disagreement with llama.cpp so far
-/// sat at a margin of 0.156 or less). Observed divergences: apollo_digits at token 51 (margin
-/// 0.029), chat_boiling at 41 (0.056), chat_system_colors at 1 (0.118); the other three
-/// prompts match 64/64.
-const NEAR_TIE: f32 = 0.2;
+/// way it falls depends on float summation order, because activations are re-quantized to 8
+/// bits before every matmul and a one-ulp difference can flip a rounding. Two correct orderings
+/// (our scalar and AVX2 kernels) move first-step logits by up to ~1.0, mostly as a common shift.
+/// Observed first divergences from llama.cpp, by its margin there: AVX2 kernels 0.029
+/// (apollo_digits, token 51), 0.056 (chat_boiling, 41), 0.118 (chat_system_colors, 1), the
+/// other three prompts equal for 64/64; scalar kernels 0.039–0.232 on all six
+/// (`cargo run --release -p model --example reference_diff -- scalar`).
+const NEAR_TIE: f32 = 0.3;
 
 /// Greedy decoding equals llama.cpp token for token, except that past a near-tie (both
 /// engines see the two tokens within `NEAR_TIE` of each other) the continuations may part.
