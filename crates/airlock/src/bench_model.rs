@@ -117,6 +117,19 @@ fn print_figures(f: &Figures, peer: Option<&Peer>) {
 }
 
 fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
+    anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
+    anyhow::ensure!(
+        args.prefill_tokens >= 16,
+        "--prefill-tokens must be at least 16"
+    );
+    anyhow::ensure!(
+        args.decode_tokens >= 1,
+        "--decode-tokens must be at least 1"
+    );
+    anyhow::ensure!(
+        !args.batches.is_empty() && args.batches.iter().all(|&b| (1..=256).contains(&b)),
+        "--batches takes sizes from 1 to 256"
+    );
     let vocab = model.config().vocab_size as u32;
     // Deterministic ordinary token ids; content does not change the arithmetic.
     let prompt: Vec<u32> = (0..args.prefill_tokens as u32)

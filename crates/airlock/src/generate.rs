@@ -109,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
         scrub_on_free: false,
     };
     let mut pool = PagePool::new(config).context("creating the KV pool (see --kv-tokens)")?;
-    let needed = prompt.len() + args.max_tokens;
+    let needed = prompt.len().saturating_add(args.max_tokens);
     if needed <= model.config().context_length && needed > pool.capacity_tokens() {
         anyhow::bail!(
             "the prompt ({} tokens) plus --max-tokens {} needs {needed} KV tokens but the pool \

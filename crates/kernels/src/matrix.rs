@@ -205,6 +205,9 @@ impl QuantMatrix {
             tokens * self.rows,
             "output holds tokens*rows values"
         );
+        if tokens == 0 {
+            return;
+        }
         if tokens == 1 {
             self.matmul_transposed(backend, workers, acts, out);
             return;

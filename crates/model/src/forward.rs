@@ -43,6 +43,9 @@ impl Model {
     /// asked for them, in order. Every page table is verified against the pool's headers before
     /// any K/V is touched (I1): a stale, foreign or freed page fails the whole step.
     pub fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+        if steps.is_empty() {
+            return Ok(Vec::new());
+        }
         self.check_steps(steps)?;
         let expected_layout = self.config.kv_layout(pool.layout().page_size_tokens);
         if *pool.layout() != expected_layout {

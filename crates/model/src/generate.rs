@@ -64,17 +64,21 @@ pub fn generate(
     }
     let context_length = model.config().context_length;
     let prompt_tokens = request.prompt.len();
-    if prompt_tokens + request.max_tokens > context_length {
+    let total_tokens = prompt_tokens.saturating_add(request.max_tokens);
+    if total_tokens > context_length {
         return Err(Error::ContextLengthExceeded {
             prompt_tokens,
             max_tokens: request.max_tokens,
             context_length,
         });
     }
-    let table = pool.allocate(owner, prompt_tokens + request.max_tokens)?;
-    let result = run(model, tokenizer, pool, &table, request, on_text);
+    let table = pool.allocate(owner, total_tokens)?;
+    // The pages go back even if a step panics (a broken invariant), before the panic goes on.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run(model, tokenizer, &mut *pool, &table, request, on_text)
+    }));
     pool.release(table)?;
-    result
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn run(
@@ -175,10 +179,32 @@ fn take_complete_utf8(bytes: &mut Vec<u8>) -> String {
             bytes.drain(..valid);
             text
         }
-        Err(_) => {
-            let text = String::from_utf8_lossy(bytes).into_owned();
-            bytes.clear();
+        Err(e) => {
+            // Replace the invalid sequence, keep what follows for the next round.
+            let end = e.valid_up_to() + e.error_len().unwrap_or(0);
+            let mut text = String::from_utf8_lossy(&bytes[..end]).into_owned();
+            bytes.drain(..end);
+            text.push_str(&take_complete_utf8(bytes));
             text
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_complete_utf8;
+
+    #[test]
+    fn incomplete_characters_wait_and_invalid_bytes_are_replaced() {
+        let euro = "€".as_bytes();
+        let mut bytes = vec![b'a', euro[0], euro[1]];
+        assert_eq!(take_complete_utf8(&mut bytes), "a");
+        bytes.push(euro[2]);
+        assert_eq!(take_complete_utf8(&mut bytes), "€");
+        let mut bytes = vec![0xFF, euro[0], euro[1]];
+        assert_eq!(take_complete_utf8(&mut bytes), "\u{FFFD}");
+        bytes.push(euro[2]);
+        assert_eq!(take_complete_utf8(&mut bytes), "€");
+        assert!(bytes.is_empty());
     }
 }

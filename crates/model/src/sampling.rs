@@ -38,15 +38,22 @@ impl Sampler {
     /// Picks the next token from `logits`.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         assert!(!logits.is_empty(), "logits cover the vocabulary");
-        if self.params.temperature <= 0.0 {
+        let temperature = self.params.temperature;
+        // Greedy when asked, and when the temperature is too small to divide by.
+        if !(temperature.is_finite() && temperature > 1e-6) {
             return argmax(logits);
         }
-        let inv_temperature = 1.0 / self.params.temperature;
+        let inv_temperature = 1.0 / temperature;
+        // A NaN logit is never chosen (it would sort first and poison the weights).
         let mut candidates: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
+            .filter(|(_, l)| !l.is_nan())
             .map(|(id, &l)| (id as u32, l * inv_temperature))
             .collect();
+        if candidates.is_empty() {
+            return 0;
+        }
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
         let top_k = self.params.top_k;
         if top_k > 0 && top_k < candidates.len() {
@@ -96,13 +103,13 @@ impl Sampler {
 
 /// The first index of the largest logit.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    let mut best: Option<usize> = None;
     for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
+        if !l.is_nan() && best.is_none_or(|b| l > logits[b]) {
+            best = Some(i);
         }
     }
-    best as u32
+    best.unwrap_or(0) as u32
 }
 
 #[cfg(test)]
@@ -143,6 +150,21 @@ mod tests {
         // Token 3 holds ~0.02 % of the mass: top_p 0.9 must never pick it, nor token 0.
         let mut s = Sampler::new(params(1.0, 0, 0.9, 3));
         assert!((0..500).all(|_| matches!(s.sample(&logits), 1 | 2)));
+    }
+
+    #[test]
+    fn tiny_temperature_and_nan_logits_still_pick_the_best_token() {
+        let logits = [1.0, 3.0, f32::NAN, 2.0];
+        assert_eq!(argmax(&logits), 1);
+        for temperature in [1e-40, 1e-7, f32::NAN, f32::INFINITY] {
+            let mut s = Sampler::new(params(temperature, 0, 1.0, 5));
+            assert_eq!(s.sample(&logits), 1, "temperature {temperature}");
+        }
+        let mut s = Sampler::new(params(0.5, 0, 1.0, 5));
+        assert!(
+            (0..200).all(|_| s.sample(&logits) != 2),
+            "NaN is never sampled"
+        );
     }
 
     #[test]

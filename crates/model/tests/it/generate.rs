@@ -224,3 +224,24 @@ fn out_of_range_token_is_refused_before_any_kv_write_and_leaks_nothing() {
     assert_eq!(pool.pages_free(), free, "pages leaked (I9)");
     pool.check_invariants();
 }
+
+#[test]
+fn an_empty_batch_is_a_no_op_and_a_huge_max_tokens_is_refused_without_overflow() {
+    let mut pool = common::pool(8 * PAGE_SIZE);
+    let free = pool.pages_free();
+    assert!(common::model().forward(&mut pool, &[]).unwrap().is_empty());
+    let request = common::greedy_request(&prompt(), usize::MAX, 512);
+    let result = model::generate(
+        common::model(),
+        common::tokenizer(),
+        &mut pool,
+        owner(8, 81),
+        &request,
+        &mut |_| {},
+    );
+    assert!(
+        matches!(result, Err(model::Error::ContextLengthExceeded { .. })),
+        "{result:?}"
+    );
+    assert_eq!(pool.pages_free(), free);
+}
