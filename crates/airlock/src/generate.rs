@@ -46,6 +46,10 @@ pub struct Args {
     /// KV pool capacity in tokens [default: the model's context length]
     #[arg(long)]
     kv_tokens: Option<usize>,
+    /// Zero each KV page when it is freed (pages are reused as they are otherwise; every read
+    /// is still checked against the page's owner)
+    #[arg(long)]
+    scrub_on_free: bool,
     /// Print the prompt's token ids to stderr
     #[arg(long)]
     show_tokens: bool,
@@ -106,7 +110,7 @@ pub fn run(args: Args) -> Result<()> {
     let config = PoolConfig {
         layout,
         size: PoolSize::Tokens(kv_tokens),
-        scrub_on_free: false,
+        scrub_on_free: args.scrub_on_free,
     };
     let mut pool = PagePool::new(config).context("creating the KV pool (see --kv-tokens)")?;
     let needed = prompt.len().saturating_add(args.max_tokens);

@@ -96,7 +96,8 @@ impl Workers {
     }
 
     /// Runs `task(i)` for every `i` in `0..tasks`, spread over the threads; returns when all
-    /// are done. A panic in any task is re-raised here.
+    /// are done. A panic in any task is re-raised here. A task must not call `for_each` on the
+    /// same pool (regions do not nest; it would wait for itself).
     pub fn for_each(&self, tasks: usize, task: &(dyn Fn(usize) + Sync)) {
         if self.handles.is_empty() || tasks <= 1 {
             (0..tasks).for_each(task);
