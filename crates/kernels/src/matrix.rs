@@ -92,24 +92,12 @@ impl QuantMatrix {
         };
         let group_count = rows / GROUP_ROWS;
         let storage = match format {
-            WeightFormat::Q4_1 => {
-                let mut out = Vec::with_capacity(group_count * blocks_per_row);
-                for group in 0..group_count {
-                    for block in 0..blocks_per_row {
-                        out.push(pack_q41(|r| source_block(group * GROUP_ROWS + r, block)));
-                    }
-                }
-                Storage::Q41(out)
-            }
-            WeightFormat::Q8_0 => {
-                let mut out = Vec::with_capacity(group_count * blocks_per_row);
-                for group in 0..group_count {
-                    for block in 0..blocks_per_row {
-                        out.push(pack_q80(|r| source_block(group * GROUP_ROWS + r, block)));
-                    }
-                }
-                Storage::Q80(out)
-            }
+            WeightFormat::Q4_1 => Storage::Q41(pack_groups(group_count, blocks_per_row, |g, b| {
+                pack_q41(|r| source_block(g * GROUP_ROWS + r, b))
+            })),
+            WeightFormat::Q8_0 => Storage::Q80(pack_groups(group_count, blocks_per_row, |g, b| {
+                pack_q80(|r| source_block(g * GROUP_ROWS + r, b))
+            })),
         };
         Ok(QuantMatrix {
             rows,
@@ -288,6 +276,18 @@ fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
         Backend::Scalar => scalar::q80_group(group, job),
         Backend::Avx2 => avx2::q80_group(group, job),
     }
+}
+
+/// Packed blocks in storage order: for each group of 8 rows, its blocks left to right.
+fn pack_groups<T>(
+    group_count: usize,
+    blocks_per_row: usize,
+    pack: impl Fn(usize, usize) -> T,
+) -> Vec<T> {
+    (0..group_count)
+        .flat_map(|group| (0..blocks_per_row).map(move |block| (group, block)))
+        .map(|(group, block)| pack(group, block))
+        .collect()
 }
 
 fn f16_bits(bytes: &[u8]) -> u16 {
