@@ -1,8 +1,10 @@
 //! `airlock`: the command-line entry point. One module per subcommand; glue only.
 
 mod bench_model;
+mod config_file;
 mod generate;
 mod model_path;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +19,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI API: router + prefill + decode workers in one process, linked over
+    /// TCP on loopback (the embedded default).
+    Serve(serve::ServeArgs),
+    /// Run the HTTP router in front of workers started elsewhere.
+    Router(serve::RouterArgs),
+    /// Run a prefill worker: runs prompts, then transfers their KV pages to decode workers.
+    Prefill(serve::WorkerArgs),
+    /// Run a decode worker: receives and verifies KV pages, then generates.
+    Decode(serve::WorkerArgs),
+    /// Serve with one unified worker (prefill and decode in one pool, no transfer): the
+    /// single-node baseline.
+    Unified(serve::UnifiedArgs),
     /// Generate text for one prompt, streaming tokens to stdout.
     Generate(generate::Args),
     /// Measure prefill and decode speed on this machine, beside llama.cpp when available.
@@ -24,8 +38,14 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let args = config_file::apply(std::env::args_os().collect())?;
+    let cli = Cli::parse_from(args);
     match cli.command {
+        Command::Serve(args) => serve::serve(args),
+        Command::Router(args) => serve::router(args),
+        Command::Prefill(args) => serve::prefill(args),
+        Command::Decode(args) => serve::decode(args),
+        Command::Unified(args) => serve::unified(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
     }

@@ -205,7 +205,7 @@ pub enum Error {
         expected: Generation,
         found: Generation,
     },
-    #[error("page {page:?} is {state:?}; only Writing or Sealed pages can be viewed")]
+    #[error("page {page:?} is {state:?}, not in a state this access allows")]
     PageNotReadable { page: PageId, state: PageState },
     #[error("page {page:?} appears more than once in one batch or table")]
     DuplicatePage { page: PageId },

@@ -78,6 +78,8 @@ enum Access {
     Bytes,
     /// Only its header changes (release, extend, state change): any state the owner holds.
     Header,
+    /// A transfer is landing in it: `Receiving` only.
+    Receive,
 }
 
 /// One page a batch claims, and where it goes back: table `table_index`, slot `position`.
@@ -249,7 +251,19 @@ impl PagePool {
     /// Cost: O(k log k) for the k pages of the batch (a sort that also finds duplicates), none
     /// of it proportional to the pool's size.
     pub fn verify_batch<'p>(&'p mut self, tables: &[&PageTable]) -> Result<Vec<PageView<'p>>> {
-        let claims = self.verify_tables(tables, Access::Bytes)?;
+        self.views(tables, Access::Bytes)
+    }
+
+    /// The view a receiver writes a transfer's bytes through: the same owner and generation
+    /// checks as [`PagePool::verify_batch`], but only for pages in `Receiving`, so bytes from
+    /// a transfer can never land in pages that are being read or sent.
+    pub fn verify_receiving<'p>(&'p mut self, table: &PageTable) -> Result<PageView<'p>> {
+        let mut views = self.views(&[table], Access::Receive)?;
+        Ok(views.pop().expect("one view per table"))
+    }
+
+    fn views<'p>(&'p mut self, tables: &[&PageTable], access: Access) -> Result<Vec<PageView<'p>>> {
+        let claims = self.verify_tables(tables, access)?;
         let layout = self.layout;
         let mut slots: Vec<Vec<Option<&'p mut Page>>> = tables
             .iter()
@@ -417,8 +431,12 @@ impl PagePool {
                 found: header.owner,
             });
         }
-        let readable = matches!(header.state, PageState::Writing | PageState::Sealed);
-        if access == Access::Bytes && !readable {
+        let allowed = match access {
+            Access::Bytes => matches!(header.state, PageState::Writing | PageState::Sealed),
+            Access::Receive => header.state == PageState::Receiving,
+            Access::Header => true,
+        };
+        if !allowed {
             return Err(Error::PageNotReadable {
                 page,
                 state: header.state,

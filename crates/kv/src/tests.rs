@@ -804,3 +804,39 @@ fn written_tokens_track_the_owner_and_reset_on_reallocation() {
     let b = pool.allocate(owner(2, 2), 3 * page_size).unwrap();
     assert_eq!(pool.verify_batch(&[&b]).unwrap()[0].written_tokens(), 0);
 }
+
+#[test]
+fn received_bytes_go_only_into_receiving_pages_of_their_owner() {
+    let mut pool = pool(4, false);
+    let table = pool.allocate(owner(1, 1), 4).expect("fits");
+    // Writing pages are not open to a transfer.
+    let error = pool.verify_receiving(&table).unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::PageNotReadable {
+                state: PageState::Writing,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    pool.set_state(&table, PageState::Receiving)
+        .expect("Writing -> Receiving");
+    // Receiving pages cannot be read by a forward pass...
+    assert!(pool.verify_batch(&[&table]).is_err());
+    // ...but take the transfer's bytes, and only for their owner and generation.
+    pool.verify_receiving(&table)
+        .expect("owner's receiving view")
+        .page_mut(0)
+        .fill(f16::ONE);
+    let forged = PageTable::forge(owner(2, 2), table.pages().to_vec());
+    assert!(matches!(
+        pool.verify_receiving(&forged),
+        Err(Error::OwnerMismatch { .. })
+    ));
+    pool.set_state(&table, PageState::Sealed)
+        .expect("Receiving -> Sealed");
+    assert_eq!(read_all(&mut pool, &table)[0], f16::ONE);
+    pool.check_invariants();
+}

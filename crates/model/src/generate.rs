@@ -166,7 +166,7 @@ fn run(
 
 /// Takes the longest valid UTF-8 prefix out of `bytes`, leaving an incomplete character (a
 /// token can end mid-character) for the next token. Invalid bytes become U+FFFD.
-fn take_complete_utf8(bytes: &mut Vec<u8>) -> String {
+pub fn take_complete_utf8(bytes: &mut Vec<u8>) -> String {
     match std::str::from_utf8(bytes) {
         Ok(text) => {
             let text = text.to_string();

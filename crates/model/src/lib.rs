@@ -19,7 +19,9 @@ mod stop;
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
 pub use forward::SeqStep;
-pub use generate::{generate, FinishReason, GenerateRequest, GenerateStats, Generated};
+pub use generate::{
+    generate, take_complete_utf8, FinishReason, GenerateRequest, GenerateStats, Generated,
+};
 pub use load::{LoadOptions, LoadProgress, Loaded, Model};
 pub use sampling::{Sampler, SamplingParams};
 pub use stop::StopMatcher;

@@ -1,0 +1,431 @@
+//! `airlock serve | router | prefill | decode | unified`: the serving roles. Each role is a
+//! process of its own; `serve` runs a router, a prefill and a decode worker in one process,
+//! linked over real TCP on loopback.
+
+use crate::model_path::ModelArgs;
+use anyhow::{bail, Context, Result};
+use gguf::{ChatTemplate, GgufFile, Tokenizer};
+use kv::{PagePool, PoolConfig, PoolSize};
+use model::Model;
+use router::{AppState, Cluster, Metrics, RouterConfig, Tenants};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use transfer::transport::Tcp;
+use transfer::Role;
+use worker::{start_worker, Listener, Worker, WorkerConfig};
+
+/// The id clients name in `"model"` unless `--model-name` says otherwise.
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+
+/// Flags every serving role takes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CommonArgs {
+    /// Address to listen on
+    #[arg(long, env = "AIRLOCK_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on [default: 8080 for serve, router and unified; 9001 prefill; 9002
+    /// decode]
+    #[arg(long, env = "AIRLOCK_PORT")]
+    pub port: Option<u16>,
+    /// TOML keys file mapping API keys to tenants ([tenants.NAME] keys = [...]); without it
+    /// the server runs single-tenant, with no authentication
+    #[arg(long, env = "AIRLOCK_API_KEYS")]
+    pub api_keys: Option<PathBuf>,
+    /// KV pool capacity per worker, in tokens [default: the context length]
+    #[arg(long, env = "AIRLOCK_KV_TOKENS")]
+    pub kv_tokens: Option<usize>,
+    /// Most tokens (prompt + max_tokens) per request [default: the model's, 8192 here]
+    #[arg(long, env = "AIRLOCK_CONTEXT_LENGTH")]
+    pub context_length: Option<usize>,
+    /// KV page size in tokens
+    #[arg(long, env = "AIRLOCK_PAGE_SIZE", default_value_t = 16,
+          value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub page_size: u16,
+    /// TOML file of settings: each key is a flag name with '_' for '-' (kv_tokens = 4096)
+    #[arg(long, env = "AIRLOCK_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Model id clients send as "model"
+    #[arg(long, env = "AIRLOCK_MODEL_NAME", default_value = DEFAULT_MODEL_NAME)]
+    pub model_name: String,
+    /// Zero each KV page when it is freed
+    #[arg(long, env = "AIRLOCK_SCRUB_ON_FREE")]
+    pub scrub_on_free: bool,
+    /// Requests that may wait for KV pages per worker; more get 503
+    #[arg(long, env = "AIRLOCK_QUEUE_MAX", default_value_t = 256)]
+    pub queue_max: usize,
+    /// Milliseconds a request may wait for KV pages before 503
+    #[arg(long, env = "AIRLOCK_QUEUE_TIMEOUT_MS", default_value_t = 30_000)]
+    pub queue_timeout_ms: u64,
+    /// Milliseconds a KV transfer may take before it fails
+    #[arg(long, env = "AIRLOCK_TRANSFER_TIMEOUT_MS", default_value_t = 30_000)]
+    pub transfer_timeout_ms: u64,
+    /// Tokens per forward step (one per decoding request, the rest for prompt chunks)
+    #[arg(long, env = "AIRLOCK_STEP_TOKENS", default_value_t = 256)]
+    pub step_tokens: usize,
+    /// Most requests decoding together in one step
+    #[arg(long, env = "AIRLOCK_MAX_BATCH", default_value_t = 64)]
+    pub max_batch: usize,
+    /// Largest request body in bytes (413 above)
+    #[arg(long, env = "AIRLOCK_BODY_BYTES_MAX", default_value_t = 1 << 20)]
+    pub body_bytes_max: usize,
+    /// max_tokens for a request that gives none
+    #[arg(long, env = "AIRLOCK_DEFAULT_MAX_TOKENS", default_value_t = 256)]
+    pub default_max_tokens: usize,
+    /// Requests in flight in the router at once, over all tenants; more get 503
+    #[arg(long, env = "AIRLOCK_IN_FLIGHT_MAX", default_value_t = 512)]
+    pub in_flight_max: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RouterArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Address (host:port) of a prefill worker; repeatable
+    #[arg(long, env = "AIRLOCK_PREFILL", value_delimiter = ',')]
+    prefill: Vec<String>,
+    /// Address (host:port) of a decode worker; repeatable
+    #[arg(long, env = "AIRLOCK_DECODE", value_delimiter = ',')]
+    decode: Vec<String>,
+    /// Address (host:port) of a unified worker; repeatable (instead of prefill + decode)
+    #[arg(long, env = "AIRLOCK_UNIFIED_WORKER", value_delimiter = ',')]
+    unified: Vec<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Worker name in logs and metrics [default: ROLE@HOST:PORT]
+    #[arg(long, env = "AIRLOCK_NAME")]
+    name: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct UnifiedArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Run only the unified worker (default port 9003), for a router started with
+    /// --unified ADDR; without this flag the router runs in this process too
+    #[arg(long, env = "AIRLOCK_WORKER_ONLY")]
+    worker_only: bool,
+}
+
+/// Everything loaded from the model file once: the weights are loaded per worker.
+struct ModelFile {
+    path: PathBuf,
+    tokenizer: Tokenizer,
+    chat_template: Option<ChatTemplate>,
+    context_length: usize,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+fn read_model_file(args: &CommonArgs) -> Result<ModelFile> {
+    let path = args.model.resolve_model()?;
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let file = GgufFile::parse(&bytes).with_context(|| format!("parsing {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let chat_template = match file.get_str("tokenizer.chat_template") {
+        Ok(_) => Some(ChatTemplate::from_gguf(&file)?),
+        Err(_) => None,
+    };
+    let model_context = model::LlamaConfig::from_gguf(&file)?.context_length;
+    let context_length = match args.context_length {
+        None => model_context,
+        Some(0) => bail!("--context-length must be at least 1"),
+        Some(n) if n > model_context => {
+            bail!("--context-length {n} is over the model's own context length of {model_context}")
+        }
+        Some(n) => n,
+    };
+    Ok(ModelFile {
+        path,
+        tokenizer,
+        chat_template,
+        context_length,
+    })
+}
+
+/// Loads the weights and builds a worker's pool.
+fn load_worker(
+    args: &CommonArgs,
+    file: &ModelFile,
+    role: Role,
+    name: String,
+) -> Result<(WorkerConfig, Model, Tokenizer, PagePool)> {
+    let started = Instant::now();
+    let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
+        .with_context(|| format!("loading {}", file.path.display()))?;
+    let model = loaded.model;
+    let layout = model.config().kv_layout(args.page_size as usize);
+    let kv_tokens = args.kv_tokens.unwrap_or(file.context_length);
+    let pool = PagePool::new(PoolConfig {
+        layout,
+        size: PoolSize::Tokens(kv_tokens),
+        scrub_on_free: args.scrub_on_free,
+    })
+    .context("creating the KV pool (see --kv-tokens)")?;
+    if layout.page_bytes() + 64 > transfer::MAX_FRAME_BYTES {
+        bail!(
+            "--page-size {} makes pages too large to transfer",
+            args.page_size
+        );
+    }
+    tracing::info!(
+        worker = %name,
+        seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
+        threads = model.thread_count(),
+        kv_tokens = pool.capacity_tokens(),
+        kv_mib = pool.bytes() >> 20,
+        "worker loaded"
+    );
+    let config = WorkerConfig {
+        role,
+        name,
+        model_id: args.model_name.clone(),
+        context_length: file.context_length,
+        queue_max: args.queue_max,
+        queue_timeout: Duration::from_millis(args.queue_timeout_ms),
+        transfer_timeout: Duration::from_millis(args.transfer_timeout_ms),
+        step_tokens: args.step_tokens.max(1),
+        max_batch: args.max_batch.max(1),
+    };
+    Ok((config, model, loaded.tokenizer, pool))
+}
+
+async fn bind(host: &str, port: u16) -> Result<TcpListener> {
+    TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("cannot listen on {host}:{port}"))
+}
+
+async fn spawn_worker(
+    args: &CommonArgs,
+    file: &ModelFile,
+    role: Role,
+    name: String,
+    listener: TcpListener,
+) -> Result<Worker> {
+    let (config, model, tokenizer, pool) = load_worker(args, file, role, name)?;
+    let worker = start_worker(
+        config,
+        model,
+        tokenizer,
+        pool,
+        Listener::Tcp(listener),
+        Arc::new(Tcp),
+    )?;
+    Ok(worker)
+}
+
+fn tenants(args: &CommonArgs) -> Result<Tenants> {
+    match &args.api_keys {
+        Some(path) => {
+            let tenants = Tenants::from_file(path)?;
+            tracing::info!(tenants = tenants.count(), "API keys loaded");
+            Ok(tenants)
+        }
+        None => {
+            eprintln!(
+                "\n  WARNING: no --api-keys file: running SINGLE-TENANT with NO AUTHENTICATION.\n  \
+                 Every caller is the same tenant. Pass --api-keys FILE to separate tenants.\n"
+            );
+            Ok(Tenants::open())
+        }
+    }
+}
+
+async fn run_router(
+    args: &CommonArgs,
+    file: ModelFile,
+    workers: Vec<(String, Role)>,
+    port: u16,
+) -> Result<()> {
+    let tenants = tenants(args)?;
+    let metrics = Arc::new(Metrics::new());
+    let cluster = Cluster::connect(
+        workers,
+        args.model_name.clone(),
+        Arc::new(Tcp),
+        metrics.clone(),
+    );
+    let listener = bind(&args.host, port).await?;
+    let address = listener.local_addr()?;
+    let config = RouterConfig {
+        model_id: args.model_name.clone(),
+        context_length: file.context_length,
+        body_bytes_max: args.body_bytes_max,
+        default_max_tokens: args.default_max_tokens,
+        in_flight_max: args.in_flight_max,
+        start_timeout: Duration::from_millis(args.queue_timeout_ms + args.transfer_timeout_ms),
+    };
+    let open = tenants.is_open();
+    let state = Arc::new(AppState::new(
+        config,
+        tenants,
+        cluster,
+        metrics,
+        file.tokenizer,
+        file.chat_template,
+    ));
+    if !state.cluster.wait_ready(Duration::from_secs(30)).await {
+        tracing::warn!("not every worker is linked yet; serving anyway (see /health)");
+    }
+    print_ready(&address.to_string(), &args.model_name, open);
+    axum::serve(listener, router::app(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("HTTP server")?;
+    Ok(())
+}
+
+fn print_ready(address: &str, model_name: &str, open: bool) {
+    let auth = if open {
+        ""
+    } else {
+        " -H \"Authorization: Bearer $KEY\""
+    };
+    println!("Airlock is serving {model_name} at http://{address}/v1");
+    println!(
+        "Try:\n  curl http://{address}/v1/chat/completions{auth} -H 'Content-Type: application/json' \
+         -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \
+         \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
+    );
+}
+
+/// `airlock serve`: router + prefill + decode in one process, over TCP on loopback.
+pub fn serve(args: ServeArgs) -> Result<()> {
+    init_logging();
+    let args = args.common;
+    let file = read_model_file(&args)?;
+    runtime()?.block_on(async {
+        let decode_listener = bind("127.0.0.1", 0).await?;
+        let prefill_listener = bind("127.0.0.1", 0).await?;
+        let decode_addr = decode_listener.local_addr()?.to_string();
+        let prefill_addr = prefill_listener.local_addr()?.to_string();
+        let _decode = spawn_worker(
+            &args,
+            &file,
+            Role::Decode,
+            "decode-0".into(),
+            decode_listener,
+        )
+        .await?;
+        let _prefill = spawn_worker(
+            &args,
+            &file,
+            Role::Prefill,
+            "prefill-0".into(),
+            prefill_listener,
+        )
+        .await?;
+        let workers = vec![(prefill_addr, Role::Prefill), (decode_addr, Role::Decode)];
+        run_router(&args, file, workers, args.port.unwrap_or(8080)).await
+    })
+}
+
+/// `airlock router`: the HTTP front for workers running elsewhere.
+pub fn router(args: RouterArgs) -> Result<()> {
+    init_logging();
+    let mut workers: Vec<(String, Role)> = Vec::new();
+    workers.extend(args.prefill.iter().map(|a| (a.clone(), Role::Prefill)));
+    workers.extend(args.decode.iter().map(|a| (a.clone(), Role::Decode)));
+    workers.extend(args.unified.iter().map(|a| (a.clone(), Role::Unified)));
+    let disaggregated = !args.prefill.is_empty() && !args.decode.is_empty();
+    if !disaggregated && args.unified.is_empty() {
+        bail!(
+            "the router needs workers: --prefill ADDR and --decode ADDR (disaggregated), or \
+             --unified ADDR"
+        );
+    }
+    if disaggregated && !args.unified.is_empty() {
+        bail!("give either --prefill and --decode, or --unified, not both");
+    }
+    let file = read_model_file(&args.common)?;
+    let port = args.common.port.unwrap_or(8080);
+    runtime()?.block_on(run_router(&args.common, file, workers, port))
+}
+
+fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
+    init_logging();
+    let common = args.common;
+    let file = read_model_file(&common)?;
+    let port = common.port.unwrap_or(default_port);
+    let role_name = router::cluster::role_name(role);
+    runtime()?.block_on(async {
+        let listener = bind(&common.host, port).await?;
+        let address = listener.local_addr()?;
+        let name = args
+            .name
+            .unwrap_or_else(|| format!("{role_name}@{address}"));
+        let _worker = spawn_worker(&common, &file, role, name, listener).await?;
+        println!("Airlock {role_name} worker listening on {address}");
+        let _ = tokio::signal::ctrl_c().await;
+        Ok(())
+    })
+}
+
+pub fn prefill(args: WorkerArgs) -> Result<()> {
+    run_worker(args, Role::Prefill, 9001)
+}
+
+pub fn decode(args: WorkerArgs) -> Result<()> {
+    run_worker(args, Role::Decode, 9002)
+}
+
+/// `airlock unified`: one worker doing prefill and decode in one pool, and the router in
+/// front of it: the single-node baseline, with no transfer.
+pub fn unified(args: UnifiedArgs) -> Result<()> {
+    if args.worker_only {
+        let worker_args = WorkerArgs {
+            common: args.common,
+            name: None,
+        };
+        return run_worker(worker_args, Role::Unified, 9003);
+    }
+    init_logging();
+    let args = args.common;
+    let file = read_model_file(&args)?;
+    runtime()?.block_on(async {
+        let listener = bind("127.0.0.1", 0).await?;
+        let addr = listener.local_addr()?.to_string();
+        let _worker =
+            spawn_worker(&args, &file, Role::Unified, "unified-0".into(), listener).await?;
+        run_router(
+            &args,
+            file,
+            vec![(addr, Role::Unified)],
+            args.port.unwrap_or(8080),
+        )
+        .await
+    })
+}

@@ -1,0 +1,24 @@
+//! The router: the OpenAI-compatible HTTP front (axum), API keys -> tenants, admission, the
+//! choice of workers, and the relay of each answer back to its client.
+//!
+//! Invariants kept here (DESIGN.md): **I2** no 200 before the decode worker reports a sealed,
+//! verified transfer, and a late failure is an SSE `error` event without `[DONE]`; **I3**
+//! admission against the context length and the workers' pool capacity before anything is
+//! sent to a worker; **I7** a client that disconnects aborts its request through the workers;
+//! **I11** in part: the tenant comes only from the API key.
+//!
+//! What this crate is not: it never holds KV bytes, never frees a page, and never runs the
+//! model; it tokenizes only to count and submit.
+
+pub mod cluster;
+pub mod error;
+pub mod metrics;
+pub mod openai;
+pub mod server;
+pub mod tenants;
+
+pub use cluster::Cluster;
+pub use error::ApiError;
+pub use metrics::Metrics;
+pub use server::{app, AppState, RouterConfig};
+pub use tenants::Tenants;

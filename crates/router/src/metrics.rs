@@ -1,0 +1,244 @@
+//! Prometheus text exposition, hand-rolled: a few labelled counters, two histograms, and
+//! gauges read from the workers' latest pool reports at scrape time.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+/// Counter names and their help text; `inc` accepts only these.
+const COUNTERS: &[(&str, &str)] = &[
+    (
+        "airlock_requests_total",
+        "Requests by outcome (ok, error) and reason (finish reason or error code).",
+    ),
+    (
+        "airlock_transfers_total",
+        "KV transfers seen by the router, by outcome (ok, failed) and reason.",
+    ),
+    (
+        "airlock_workers_refused_total",
+        "Worker links refused at the handshake, by reason.",
+    ),
+];
+
+/// (name, help, value) of one per-worker gauge.
+type GaugeRow = (&'static str, &'static str, fn(&PoolGauges) -> f64);
+
+const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+const ITL_BUCKETS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+pub struct Metrics {
+    counters: Mutex<BTreeMap<(&'static str, String), u64>>,
+    ttft: Histogram,
+    itl: Histogram,
+}
+
+struct Histogram {
+    name: &'static str,
+    help: &'static str,
+    bounds: &'static [f64],
+    state: Mutex<HistogramState>,
+}
+
+#[derive(Default)]
+struct HistogramState {
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+/// One worker's pool as last reported, for the gauges.
+pub struct PoolGauges {
+    pub worker: String,
+    pub role: &'static str,
+    pub up: bool,
+    pub pages_free: u32,
+    pub pages_total: u32,
+    pub pages_quarantined: u32,
+    pub queue_depth: u32,
+    pub ownership_failures: u64,
+    pub frames_rejected: u64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics {
+            counters: Mutex::new(BTreeMap::new()),
+            ttft: Histogram::new(
+                "airlock_ttft_seconds",
+                "Time from request arrival to its first token.",
+                TTFT_BUCKETS,
+            ),
+            itl: Histogram::new(
+                "airlock_itl_seconds",
+                "Time between consecutive streamed tokens of one request.",
+                ITL_BUCKETS,
+            ),
+        }
+    }
+
+    pub fn inc(&self, name: &'static str, labels: &[(&str, &str)]) {
+        assert!(
+            COUNTERS.iter().any(|(known, _)| *known == name),
+            "counter {name} is declared in COUNTERS"
+        );
+        let labels = format_labels(labels);
+        *self
+            .counters
+            .lock()
+            .expect("metrics lock is never held across a panic")
+            .entry((name, labels))
+            .or_insert(0) += 1;
+    }
+
+    pub fn observe_ttft(&self, seconds: f64) {
+        self.ttft.observe(seconds);
+    }
+
+    pub fn observe_itl(&self, seconds: f64) {
+        self.itl.observe(seconds);
+    }
+
+    pub fn render(&self, pools: &[PoolGauges], router_waiting: usize) -> String {
+        let mut out = String::new();
+        let counters = self
+            .counters
+            .lock()
+            .expect("metrics lock is never held across a panic");
+        for (name, help) in COUNTERS {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for ((counter, labels), value) in counters.iter() {
+                if counter == name {
+                    let _ = writeln!(out, "{name}{labels} {value}");
+                }
+            }
+        }
+        drop(counters);
+        let gauges: [GaugeRow; 6] = [
+            ("airlock_kv_pages_free", "Free KV pages per worker.", |p| {
+                f64::from(p.pages_free)
+            }),
+            (
+                "airlock_kv_pages_used",
+                "KV pages held by requests per worker (quarantined included).",
+                |p| f64::from(p.pages_total - p.pages_free),
+            ),
+            (
+                "airlock_kv_pages_quarantined",
+                "KV pages neither free nor readable until a peer answers.",
+                |p| f64::from(p.pages_quarantined),
+            ),
+            (
+                "airlock_worker_queue_depth",
+                "Requests waiting for KV pages per worker.",
+                |p| f64::from(p.queue_depth),
+            ),
+            (
+                "airlock_ownership_check_failures_total",
+                "Forward steps refused by the page owner/generation check (I1).",
+                |p| p.ownership_failures as f64,
+            ),
+            (
+                "airlock_transfer_frames_rejected_total",
+                "Transfer frames a decode worker refused (unknown, mismatched, corrupt).",
+                |p| p.frames_rejected as f64,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let kind = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for pool in pools {
+                let labels = format_labels(&[("worker", &pool.worker), ("role", pool.role)]);
+                let _ = writeln!(out, "{name}{labels} {}", value(pool));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_worker_up 1 if the router holds a live link to the worker.\n\
+             # TYPE airlock_worker_up gauge"
+        );
+        for pool in pools {
+            let labels = format_labels(&[("worker", &pool.worker), ("role", pool.role)]);
+            let _ = writeln!(out, "airlock_worker_up{labels} {}", u8::from(pool.up));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP airlock_router_queue_depth Requests admitted by the router and not yet \
+             started.\n# TYPE airlock_router_queue_depth gauge\n\
+             airlock_router_queue_depth {router_waiting}"
+        );
+        self.ttft.render(&mut out);
+        self.itl.render(&mut out);
+        out
+    }
+}
+
+impl Histogram {
+    fn new(name: &'static str, help: &'static str, bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            name,
+            help,
+            bounds,
+            state: Mutex::new(HistogramState {
+                counts: vec![0; bounds.len()],
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn observe(&self, value: f64) {
+        let mut state = self
+            .state
+            .lock()
+            .expect("metrics lock is never held across a panic");
+        for (bound, count) in self.bounds.iter().zip(&mut state.counts) {
+            if value <= *bound {
+                *count += 1;
+            }
+        }
+        state.sum += value;
+        state.count += 1;
+    }
+
+    fn render(&self, out: &mut String) {
+        let state = self
+            .state
+            .lock()
+            .expect("metrics lock is never held across a panic");
+        let name = self.name;
+        let _ = writeln!(out, "# HELP {name} {}\n# TYPE {name} histogram", self.help);
+        for (bound, count) in self.bounds.iter().zip(&state.counts) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", state.count);
+        let _ = writeln!(out, "{name}_sum {}", state.sum);
+        let _ = writeln!(out, "{name}_count {}", state.count);
+    }
+}
+
+fn format_labels(labels: &[(&str, &str)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let body: Vec<String> = labels
+        .iter()
+        .map(|(key, value)| {
+            let escaped = value
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
+            format!("{key}=\"{escaped}\"")
+        })
+        .collect();
+    format!("{{{}}}", body.join(","))
+}

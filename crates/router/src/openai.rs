@@ -1,0 +1,356 @@
+//! The OpenAI request bodies we accept, and their validation into a [`Job`]: tokens,
+//! sampling and limits the core can trust. Every check happens here, once; whatever is
+//! refused is refused with the field it concerns.
+//!
+//! Fields we do not know are ignored (clients send many); fields we know are type-checked,
+//! and the ones whose other values we do not support (n > 1, logprobs, echo, best_of) are
+//! refused rather than silently ignored.
+
+use crate::error::ApiError;
+use gguf::{ChatMessage, ChatTemplate, Tokenizer};
+use serde::Deserialize;
+use transfer::{Sampling, MAX_STOP_STRINGS};
+
+/// Which endpoint a job came from: it decides the response shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+#[derive(Deserialize)]
+pub struct ChatRequest {
+    model: String,
+    messages: Vec<ChatMessageIn>,
+    #[serde(flatten)]
+    common: Common,
+    max_completion_tokens: Option<i64>,
+    logprobs: Option<bool>,
+}
+
+#[derive(Deserialize)]
+pub struct CompletionRequest {
+    model: String,
+    prompt: Prompt,
+    #[serde(flatten)]
+    common: Common,
+    logprobs: Option<i64>,
+    echo: Option<bool>,
+    best_of: Option<i64>,
+}
+
+/// Fields both endpoints share.
+#[derive(Deserialize)]
+struct Common {
+    max_tokens: Option<i64>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    /// Not in OpenAI's API; accepted as llama.cpp and vLLM do.
+    top_k: Option<i64>,
+    seed: Option<i64>,
+    stop: Option<Stop>,
+    n: Option<i64>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    /// Not in OpenAI's API: keep going past the end-of-sequence token.
+    ignore_eos: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<i64>),
+}
+
+#[derive(Deserialize)]
+struct ChatMessageIn {
+    role: String,
+    content: Content,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+}
+
+/// A checked request, ready for admission.
+#[derive(Clone, Debug)]
+pub struct Job {
+    pub endpoint: Endpoint,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// What validation needs to know about the deployment.
+pub struct Limits<'a> {
+    pub model_id: &'a str,
+    pub tokenizer: &'a Tokenizer,
+    pub chat_template: Option<&'a ChatTemplate>,
+    pub context_length: usize,
+    pub default_max_tokens: usize,
+}
+
+const STOP_BYTES_MAX: usize = 256;
+
+pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
+    let request: ChatRequest = parse_json(body)?;
+    check_model(&request.model, limits)?;
+    if request.logprobs == Some(true) {
+        return Err(ApiError::invalid("logprobs are not supported", "logprobs"));
+    }
+    if request.messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty", "messages"));
+    }
+    let mut messages = Vec::with_capacity(request.messages.len());
+    for message in request.messages {
+        if !matches!(
+            message.role.as_str(),
+            "system" | "user" | "assistant" | "developer"
+        ) {
+            return Err(ApiError::invalid(
+                format!(
+                    "message role '{}' is not one of system, developer, user, assistant",
+                    message.role
+                ),
+                "messages",
+            ));
+        }
+        let role = if message.role == "developer" {
+            "system".to_string()
+        } else {
+            message.role
+        };
+        messages.push(ChatMessage::new(role, content_text(message.content)?));
+    }
+    let template = limits.chat_template.ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template; use /v1/completions",
+            "messages",
+        )
+    })?;
+    let text = template.render(&messages, true).map_err(|error| {
+        ApiError::invalid(
+            format!("the chat template refused these messages: {error}"),
+            "messages",
+        )
+    })?;
+    let prompt = limits.tokenizer.encode(&text, true);
+    let max_tokens = request.max_completion_tokens.or(request.common.max_tokens);
+    build_job(Endpoint::Chat, prompt, max_tokens, request.common, limits)
+}
+
+pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
+    let request: CompletionRequest = parse_json(body)?;
+    check_model(&request.model, limits)?;
+    if request.logprobs.is_some_and(|n| n > 0) {
+        return Err(ApiError::invalid("logprobs are not supported", "logprobs"));
+    }
+    if request.echo == Some(true) {
+        return Err(ApiError::invalid("echo is not supported", "echo"));
+    }
+    if request.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("best_of must be 1", "best_of"));
+    }
+    let prompt = match request.prompt {
+        Prompt::Text(text) => limits.tokenizer.encode(&text, false),
+        Prompt::Texts(texts) if texts.len() == 1 => limits.tokenizer.encode(&texts[0], false),
+        Prompt::Texts(_) => {
+            return Err(ApiError::invalid(
+                "send exactly one prompt per request",
+                "prompt",
+            ))
+        }
+        Prompt::Tokens(tokens) => {
+            let vocab = limits.tokenizer.vocab_size();
+            let mut ids = Vec::with_capacity(tokens.len());
+            for token in tokens {
+                match u32::try_from(token) {
+                    Ok(id) if (id as usize) < vocab => ids.push(id),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            format!("token id {token} is outside the vocabulary (0..{vocab})"),
+                            "prompt",
+                        ))
+                    }
+                }
+            }
+            ids
+        }
+    };
+    let max_tokens = request.common.max_tokens;
+    build_job(
+        Endpoint::Completions,
+        prompt,
+        max_tokens,
+        request.common,
+        limits,
+    )
+}
+
+fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    if std::str::from_utf8(body).is_err() {
+        return Err(ApiError::InvalidRequest {
+            message: "the request body is not valid UTF-8".into(),
+            param: None,
+        });
+    }
+    serde_json::from_slice(body).map_err(|error| ApiError::InvalidRequest {
+        message: format!("invalid JSON body: {error}"),
+        param: None,
+    })
+}
+
+fn check_model(model: &str, limits: &Limits) -> Result<(), ApiError> {
+    if model != limits.model_id {
+        return Err(ApiError::ModelNotFound {
+            model: model.chars().take(128).collect(),
+            served: limits.model_id.to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn content_text(content: Content) -> Result<String, ApiError> {
+    match content {
+        Content::Text(text) => Ok(text),
+        Content::Parts(parts) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.kind.as_str(), part.text) {
+                    ("text", Some(piece)) => text.push_str(&piece),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "only text content parts are supported",
+                            "messages",
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+    }
+}
+
+fn build_job(
+    endpoint: Endpoint,
+    prompt: Vec<u32>,
+    max_tokens: Option<i64>,
+    common: Common,
+    limits: &Limits,
+) -> Result<Job, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty", "prompt"));
+    }
+    if common.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid("only n = 1 is supported", "n"));
+    }
+    let context_length = limits.context_length;
+    let prompt_tokens = prompt.len();
+    let max_tokens = match max_tokens {
+        None => limits
+            .default_max_tokens
+            .min(context_length.saturating_sub(prompt_tokens))
+            .max(1) as i64,
+        Some(n) if n < 1 => {
+            return Err(ApiError::invalid(
+                format!("max_tokens must be at least 1 (got {n})"),
+                "max_tokens",
+            ))
+        }
+        Some(n) => n,
+    };
+    let total = (prompt_tokens as i64).saturating_add(max_tokens);
+    if total > context_length as i64 {
+        return Err(ApiError::ContextLengthExceeded {
+            message: format!(
+                "this model's maximum context length is {context_length} tokens, but you \
+                 asked for {total} ({prompt_tokens} in the prompt + {max_tokens} max_tokens); \
+                 shorten the prompt or lower max_tokens"
+            ),
+        });
+    }
+    let temperature = common.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature must be between 0 and 2",
+            "temperature",
+        ));
+    }
+    let top_p = common.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
+    }
+    let top_k = common.top_k.unwrap_or(0);
+    if !(0..=u32::MAX as i64).contains(&top_k) {
+        return Err(ApiError::invalid("top_k must be 0 (off) or more", "top_k"));
+    }
+    let stop = match common.stop {
+        None => Vec::new(),
+        Some(Stop::One(stop)) => vec![stop],
+        Some(Stop::Many(stops)) => stops,
+    };
+    if stop.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            format!("at most {MAX_STOP_STRINGS} stop strings"),
+            "stop",
+        ));
+    }
+    if stop
+        .iter()
+        .any(|s| s.is_empty() || s.len() > STOP_BYTES_MAX)
+    {
+        return Err(ApiError::invalid(
+            format!("stop strings must be 1 to {STOP_BYTES_MAX} bytes"),
+            "stop",
+        ));
+    }
+    let stream = common.stream.unwrap_or(false);
+    Ok(Job {
+        endpoint,
+        prompt,
+        max_tokens: max_tokens as u32,
+        sampling: Sampling {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k: top_k as u32,
+            // OpenAI seeds are signed; the bits are what matter.
+            seed: common.seed.unwrap_or(0) as u64,
+        },
+        stop,
+        ignore_eos: common.ignore_eos.unwrap_or(false),
+        stream,
+        include_usage: stream
+            && common
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+    })
+}

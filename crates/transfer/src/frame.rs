@@ -1,0 +1,752 @@
+//! Every message that crosses a link (router <-> worker, prefill -> decode), and its bounded
+//! binary encoding.
+//!
+//! A frame on the wire is `u32 length (LE) | body`, and a body is
+//! `magic "AL" | protocol version u16 | kind u8 | fields`. Every length inside a body is checked
+//! against what is left of the body and against a per-field cap before anything is allocated,
+//! so a hostile peer can make the decoder return an error but never panic or allocate more
+//! than [`MAX_FRAME_BYTES`].
+
+use kv::{RequestId, TenantId};
+
+/// Version of this encoding and of the transfer protocol; a peer with another version is
+/// refused at the first frame.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Largest frame body accepted or sent: a whole KV page plus its header must fit.
+pub const MAX_FRAME_BYTES: usize = 16 << 20;
+
+/// Caps on variable-length fields, each far above what a legitimate peer sends.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
+pub const MAX_STRING_BYTES: usize = 64 << 10;
+pub const MAX_STOP_STRINGS: usize = 16;
+
+const MAGIC: [u8; 2] = *b"AL";
+
+/// Names one transfer of one request's pages from a prefill worker to a decode worker.
+/// Chosen by the router, unique per router run; decode accepts pages only for a transfer it
+/// reserved, so a frame of an earlier (aborted) transfer can never land in reused pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferId(pub u64);
+
+/// What a worker does in a deployment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Unified,
+}
+
+/// Who opened a link to a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerRole {
+    Router,
+    /// A prefill worker that will send pages to this (decode) worker.
+    Prefill,
+}
+
+/// What a worker tells whoever connects to it: enough for the router's admission check and
+/// to refuse a worker that serves another model or another page layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerInfo {
+    pub role: Role,
+    pub name: String,
+    pub model_id: String,
+    pub page_size_tokens: u32,
+    pub capacity_tokens: u64,
+    pub context_length: u32,
+    /// Random per process start: frames meant for an earlier incarnation are refused.
+    pub epoch: u64,
+}
+
+/// Sampling settings as the router validated them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub seed: u64,
+}
+
+/// Which part of a request a worker runs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// Prefill and decode here, in one pool.
+    Unified,
+    /// Prefill here, then send the pages to the decode worker at `decode_addr`.
+    Prefill {
+        transfer: TransferId,
+        decode_addr: String,
+    },
+    /// Reserve pages, receive them from a prefill worker, verify, then decode.
+    Decode { transfer: TransferId },
+}
+
+/// A request as the router hands it to a worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Submit {
+    pub request: RequestId,
+    pub tenant: TenantId,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub plan: Plan,
+}
+
+/// Why a finished request stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    Stop,
+    Length,
+}
+
+/// Why a request failed; the router maps each to an HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// Cancelled (client gone, or the router gave up).
+    Aborted,
+    /// Prompt + max_tokens over the context length.
+    ContextLengthExceeded,
+    /// Prompt + max_tokens over this worker's whole pool.
+    PoolTooSmall,
+    /// Waited for pages past the queue timeout.
+    QueueTimeout,
+    /// The worker's queue is full.
+    Overloaded,
+    /// The transfer was refused by verification, or its link broke.
+    TransferFailed,
+    /// The transfer did not complete in time.
+    TransferTimeout,
+    /// A peer could not be reached.
+    PeerUnavailable,
+    /// The request itself is invalid (empty prompt, token out of range).
+    BadRequest,
+    Internal,
+}
+
+/// Why a decode worker refused a transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reject {
+    /// No reservation for this transfer (never made, already ended, or another request's).
+    UnknownTransfer,
+    /// Request or tenant differ from the reservation.
+    HeaderMismatch,
+    /// Page index or byte count outside the reservation.
+    BadPage,
+    /// Token or page count differ from what the reservation expects.
+    LengthMismatch,
+    /// A page announced in `Done` never arrived.
+    MissingPage,
+    /// The bytes do not hash to the sender's checksum.
+    ChecksumMismatch,
+}
+
+/// The end of a transfer as the sender states it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferDone {
+    pub transfer: TransferId,
+    pub request: RequestId,
+    pub tenant: TenantId,
+    pub page_count: u32,
+    pub token_count: u32,
+    pub checksum: u64,
+}
+
+/// One message on a link.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Frame {
+    /// First frame of every link, from the side that connected.
+    Connect {
+        peer: PeerRole,
+    },
+    /// The worker's answer to `Connect`.
+    Hello(WorkerInfo),
+    // Router -> worker.
+    Submit(Submit),
+    Abort {
+        request: RequestId,
+    },
+    // Worker -> router.
+    /// Pages are reserved (decode) or the request is queued for them.
+    Admitted {
+        request: RequestId,
+    },
+    /// Decode has sealed a verified transfer (or unified has prefilled): answers may start.
+    Started {
+        request: RequestId,
+    },
+    Text {
+        request: RequestId,
+        text: String,
+        token_count: u32,
+    },
+    Finished {
+        request: RequestId,
+        finish: Finish,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+    Failed {
+        request: RequestId,
+        failure: Failure,
+        message: String,
+    },
+    PoolStats {
+        pages_free: u32,
+        pages_total: u32,
+        pages_quarantined: u32,
+        queue_depth: u32,
+        /// Page-ownership checks that failed in a forward step (a bug if ever non-zero).
+        ownership_failures: u64,
+        /// Transfer frames refused (unknown transfer, header, length or checksum).
+        frames_rejected: u64,
+    },
+    // Prefill -> decode.
+    Page {
+        transfer: TransferId,
+        request: RequestId,
+        tenant: TenantId,
+        index: u32,
+        bytes: Vec<u8>,
+    },
+    Done(TransferDone),
+    TransferAbort {
+        transfer: TransferId,
+        request: RequestId,
+    },
+    // Decode -> prefill.
+    /// Verified and sealed: the sender may release its pages.
+    Ack {
+        transfer: TransferId,
+    },
+    /// Refused: the receiver has dropped the transfer; the sender may release its pages.
+    Nack {
+        transfer: TransferId,
+        reject: Reject,
+    },
+    /// The receiver has seen the sender's abort and released its side.
+    AbortAck {
+        transfer: TransferId,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("frame ends early: {needed} more bytes needed at offset {offset}")]
+    Truncated { offset: usize, needed: usize },
+    #[error("frame has {extra} bytes after its last field")]
+    TrailingBytes { extra: usize },
+    #[error("frame does not start with the Airlock magic")]
+    BadMagic,
+    #[error("peer speaks protocol version {found}, this build speaks {PROTOCOL_VERSION}")]
+    Version { found: u16 },
+    #[error("unknown frame kind {kind}")]
+    UnknownKind { kind: u8 },
+    #[error("unknown {field} value {value}")]
+    UnknownEnum { field: &'static str, value: u8 },
+    #[error("{field} is {len}, over its cap of {cap}")]
+    TooLong {
+        field: &'static str,
+        len: usize,
+        cap: usize,
+    },
+    #[error("{field} is not UTF-8")]
+    NotUtf8 { field: &'static str },
+    #[error("frame body is {len} bytes, over the cap of {MAX_FRAME_BYTES}")]
+    FrameTooLarge { len: usize },
+}
+
+impl Frame {
+    /// The body of this frame (without the length prefix).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(&MAGIC);
+        w.u16(PROTOCOL_VERSION);
+        w.u8(self.kind());
+        self.encode_fields(&mut w);
+        w.0
+    }
+
+    /// Parses one frame body; never panics, whatever the bytes.
+    pub fn decode(body: &[u8]) -> Result<Frame, DecodeError> {
+        if body.len() > MAX_FRAME_BYTES {
+            return Err(DecodeError::FrameTooLarge { len: body.len() });
+        }
+        let mut r = Reader { body, offset: 0 };
+        if r.take(2)? != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = r.u16()?;
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::Version { found: version });
+        }
+        let kind = r.u8()?;
+        let frame = Frame::decode_fields(kind, &mut r)?;
+        if r.offset != body.len() {
+            return Err(DecodeError::TrailingBytes {
+                extra: body.len() - r.offset,
+            });
+        }
+        Ok(frame)
+    }
+
+    fn kind(&self) -> u8 {
+        match self {
+            Frame::Connect { .. } => 1,
+            Frame::Hello(_) => 2,
+            Frame::Submit(_) => 3,
+            Frame::Abort { .. } => 4,
+            Frame::Admitted { .. } => 5,
+            Frame::Started { .. } => 6,
+            Frame::Text { .. } => 7,
+            Frame::Finished { .. } => 8,
+            Frame::Failed { .. } => 9,
+            Frame::PoolStats { .. } => 10,
+            Frame::Page { .. } => 11,
+            Frame::Done(_) => 12,
+            Frame::TransferAbort { .. } => 13,
+            Frame::Ack { .. } => 14,
+            Frame::Nack { .. } => 15,
+            Frame::AbortAck { .. } => 16,
+        }
+    }
+
+    fn encode_fields(&self, w: &mut Writer) {
+        match self {
+            Frame::Connect { peer } => w.u8(*peer as u8),
+            Frame::Hello(info) => {
+                w.u8(info.role as u8);
+                w.string(&info.name);
+                w.string(&info.model_id);
+                w.u32(info.page_size_tokens);
+                w.u64(info.capacity_tokens);
+                w.u32(info.context_length);
+                w.u64(info.epoch);
+            }
+            Frame::Submit(submit) => encode_submit(w, submit),
+            Frame::Abort { request } | Frame::Admitted { request } | Frame::Started { request } => {
+                w.u64(request.0)
+            }
+            Frame::Text {
+                request,
+                text,
+                token_count,
+            } => {
+                w.u64(request.0);
+                w.string(text);
+                w.u32(*token_count);
+            }
+            Frame::Finished {
+                request,
+                finish,
+                prompt_tokens,
+                completion_tokens,
+            } => {
+                w.u64(request.0);
+                w.u8(*finish as u8);
+                w.u32(*prompt_tokens);
+                w.u32(*completion_tokens);
+            }
+            Frame::Failed {
+                request,
+                failure,
+                message,
+            } => {
+                w.u64(request.0);
+                w.u8(*failure as u8);
+                w.string(message);
+            }
+            Frame::PoolStats {
+                pages_free,
+                pages_total,
+                pages_quarantined,
+                queue_depth,
+                ownership_failures,
+                frames_rejected,
+            } => {
+                w.u32(*pages_free);
+                w.u32(*pages_total);
+                w.u32(*pages_quarantined);
+                w.u32(*queue_depth);
+                w.u64(*ownership_failures);
+                w.u64(*frames_rejected);
+            }
+            Frame::Page {
+                transfer,
+                request,
+                tenant,
+                index,
+                bytes,
+            } => {
+                w.u64(transfer.0);
+                w.u64(request.0);
+                w.u64(tenant.0);
+                w.u32(*index);
+                w.u32(bytes.len() as u32);
+                w.bytes(bytes);
+            }
+            Frame::Done(done) => {
+                w.u64(done.transfer.0);
+                w.u64(done.request.0);
+                w.u64(done.tenant.0);
+                w.u32(done.page_count);
+                w.u32(done.token_count);
+                w.u64(done.checksum);
+            }
+            Frame::TransferAbort { transfer, request } => {
+                w.u64(transfer.0);
+                w.u64(request.0);
+            }
+            Frame::Ack { transfer } | Frame::AbortAck { transfer } => w.u64(transfer.0),
+            Frame::Nack { transfer, reject } => {
+                w.u64(transfer.0);
+                w.u8(*reject as u8);
+            }
+        }
+    }
+
+    fn decode_fields(kind: u8, r: &mut Reader) -> Result<Frame, DecodeError> {
+        let frame = match kind {
+            1 => Frame::Connect {
+                peer: peer_role(r.u8()?)?,
+            },
+            2 => Frame::Hello(WorkerInfo {
+                role: role(r.u8()?)?,
+                name: r.string("name")?,
+                model_id: r.string("model_id")?,
+                page_size_tokens: r.u32()?,
+                capacity_tokens: r.u64()?,
+                context_length: r.u32()?,
+                epoch: r.u64()?,
+            }),
+            3 => Frame::Submit(decode_submit(r)?),
+            4 => Frame::Abort {
+                request: RequestId(r.u64()?),
+            },
+            5 => Frame::Admitted {
+                request: RequestId(r.u64()?),
+            },
+            6 => Frame::Started {
+                request: RequestId(r.u64()?),
+            },
+            7 => Frame::Text {
+                request: RequestId(r.u64()?),
+                text: r.string("text")?,
+                token_count: r.u32()?,
+            },
+            8 => Frame::Finished {
+                request: RequestId(r.u64()?),
+                finish: finish(r.u8()?)?,
+                prompt_tokens: r.u32()?,
+                completion_tokens: r.u32()?,
+            },
+            9 => Frame::Failed {
+                request: RequestId(r.u64()?),
+                failure: failure(r.u8()?)?,
+                message: r.string("message")?,
+            },
+            10 => Frame::PoolStats {
+                pages_free: r.u32()?,
+                pages_total: r.u32()?,
+                pages_quarantined: r.u32()?,
+                queue_depth: r.u32()?,
+                ownership_failures: r.u64()?,
+                frames_rejected: r.u64()?,
+            },
+            11 => {
+                let transfer = TransferId(r.u64()?);
+                let request = RequestId(r.u64()?);
+                let tenant = TenantId(r.u64()?);
+                let index = r.u32()?;
+                let len = r.u32()? as usize;
+                let bytes = r.take(len)?.to_vec();
+                Frame::Page {
+                    transfer,
+                    request,
+                    tenant,
+                    index,
+                    bytes,
+                }
+            }
+            12 => Frame::Done(TransferDone {
+                transfer: TransferId(r.u64()?),
+                request: RequestId(r.u64()?),
+                tenant: TenantId(r.u64()?),
+                page_count: r.u32()?,
+                token_count: r.u32()?,
+                checksum: r.u64()?,
+            }),
+            13 => Frame::TransferAbort {
+                transfer: TransferId(r.u64()?),
+                request: RequestId(r.u64()?),
+            },
+            14 => Frame::Ack {
+                transfer: TransferId(r.u64()?),
+            },
+            15 => Frame::Nack {
+                transfer: TransferId(r.u64()?),
+                reject: reject(r.u8()?)?,
+            },
+            16 => Frame::AbortAck {
+                transfer: TransferId(r.u64()?),
+            },
+            kind => return Err(DecodeError::UnknownKind { kind }),
+        };
+        Ok(frame)
+    }
+}
+
+fn encode_submit(w: &mut Writer, submit: &Submit) {
+    w.u64(submit.request.0);
+    w.u64(submit.tenant.0);
+    w.u32(submit.prompt.len() as u32);
+    for &token in &submit.prompt {
+        w.u32(token);
+    }
+    w.u32(submit.max_tokens);
+    w.f32(submit.sampling.temperature);
+    w.f32(submit.sampling.top_p);
+    w.u32(submit.sampling.top_k);
+    w.u64(submit.sampling.seed);
+    w.u8(submit.stop.len() as u8);
+    for stop in &submit.stop {
+        w.string(stop);
+    }
+    w.u8(submit.ignore_eos as u8);
+    match &submit.plan {
+        Plan::Unified => w.u8(0),
+        Plan::Prefill {
+            transfer,
+            decode_addr,
+        } => {
+            w.u8(1);
+            w.u64(transfer.0);
+            w.string(decode_addr);
+        }
+        Plan::Decode { transfer } => {
+            w.u8(2);
+            w.u64(transfer.0);
+        }
+    }
+}
+
+fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
+    let request = RequestId(r.u64()?);
+    let tenant = TenantId(r.u64()?);
+    let prompt_len = r.count("prompt", MAX_PROMPT_TOKENS, 4)?;
+    let mut prompt = Vec::with_capacity(prompt_len);
+    for _ in 0..prompt_len {
+        prompt.push(r.u32()?);
+    }
+    let max_tokens = r.u32()?;
+    let sampling = Sampling {
+        temperature: r.f32()?,
+        top_p: r.f32()?,
+        top_k: r.u32()?,
+        seed: r.u64()?,
+    };
+    let stop_count = r.u8()? as usize;
+    if stop_count > MAX_STOP_STRINGS {
+        return Err(DecodeError::TooLong {
+            field: "stop",
+            len: stop_count,
+            cap: MAX_STOP_STRINGS,
+        });
+    }
+    let mut stop = Vec::with_capacity(stop_count);
+    for _ in 0..stop_count {
+        stop.push(r.string("stop")?);
+    }
+    let ignore_eos = match r.u8()? {
+        0 => false,
+        1 => true,
+        value => {
+            return Err(DecodeError::UnknownEnum {
+                field: "ignore_eos",
+                value,
+            })
+        }
+    };
+    let plan = match r.u8()? {
+        0 => Plan::Unified,
+        1 => Plan::Prefill {
+            transfer: TransferId(r.u64()?),
+            decode_addr: r.string("decode_addr")?,
+        },
+        2 => Plan::Decode {
+            transfer: TransferId(r.u64()?),
+        },
+        value => {
+            return Err(DecodeError::UnknownEnum {
+                field: "plan",
+                value,
+            })
+        }
+    };
+    Ok(Submit {
+        request,
+        tenant,
+        prompt,
+        max_tokens,
+        sampling,
+        stop,
+        ignore_eos,
+        plan,
+    })
+}
+
+macro_rules! enum_from_u8 {
+    ($fn_name:ident, $ty:ty, $field:literal, [$($variant:expr),+ $(,)?]) => {
+        fn $fn_name(value: u8) -> Result<$ty, DecodeError> {
+            [$($variant),+]
+                .into_iter()
+                .find(|candidate| *candidate as u8 == value)
+                .ok_or(DecodeError::UnknownEnum { field: $field, value })
+        }
+    };
+}
+
+enum_from_u8!(
+    role,
+    Role,
+    "role",
+    [Role::Prefill, Role::Decode, Role::Unified]
+);
+enum_from_u8!(
+    peer_role,
+    PeerRole,
+    "peer",
+    [PeerRole::Router, PeerRole::Prefill]
+);
+enum_from_u8!(finish, Finish, "finish", [Finish::Stop, Finish::Length]);
+enum_from_u8!(
+    failure,
+    Failure,
+    "failure",
+    [
+        Failure::Aborted,
+        Failure::ContextLengthExceeded,
+        Failure::PoolTooSmall,
+        Failure::QueueTimeout,
+        Failure::Overloaded,
+        Failure::TransferFailed,
+        Failure::TransferTimeout,
+        Failure::PeerUnavailable,
+        Failure::BadRequest,
+        Failure::Internal,
+    ]
+);
+enum_from_u8!(
+    reject,
+    Reject,
+    "reject",
+    [
+        Reject::UnknownTransfer,
+        Reject::HeaderMismatch,
+        Reject::BadPage,
+        Reject::LengthMismatch,
+        Reject::MissingPage,
+        Reject::ChecksumMismatch,
+    ]
+);
+
+#[derive(Default)]
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, value: u8) {
+        self.0.push(value);
+    }
+    fn u16(&mut self, value: u16) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn u32(&mut self, value: u32) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn u64(&mut self, value: u64) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn f32(&mut self, value: f32) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn bytes(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+    }
+    /// Strings longer than the cap are cut at a character boundary: an encoder never makes a
+    /// frame its own decoder refuses.
+    fn string(&mut self, text: &str) {
+        let mut end = text.len().min(MAX_STRING_BYTES);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.u32(end as u32);
+        self.bytes(&text.as_bytes()[..end]);
+    }
+}
+
+struct Reader<'a> {
+    body: &'a [u8],
+    offset: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, len: usize) -> Result<&'a [u8], DecodeError> {
+        let rest = self.body.len() - self.offset;
+        if len > rest {
+            return Err(DecodeError::Truncated {
+                offset: self.offset,
+                needed: len - rest,
+            });
+        }
+        let bytes = &self.body[self.offset..self.offset + len];
+        self.offset += len;
+        Ok(bytes)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let bytes = self.take(N)?;
+        Ok(bytes.try_into().expect("take returned exactly N bytes"))
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn f32(&mut self) -> Result<f32, DecodeError> {
+        Ok(f32::from_le_bytes(self.array()?))
+    }
+    /// A count of items of `item_bytes` each, checked against its cap and against the bytes
+    /// left, before the caller allocates for it.
+    fn count(
+        &mut self,
+        field: &'static str,
+        cap: usize,
+        item_bytes: usize,
+    ) -> Result<usize, DecodeError> {
+        let len = self.u32()? as usize;
+        if len > cap {
+            return Err(DecodeError::TooLong { field, len, cap });
+        }
+        let rest = self.body.len() - self.offset;
+        if len * item_bytes > rest {
+            return Err(DecodeError::Truncated {
+                offset: self.offset,
+                needed: len * item_bytes - rest,
+            });
+        }
+        Ok(len)
+    }
+    fn string(&mut self, field: &'static str) -> Result<String, DecodeError> {
+        let len = self.count(field, MAX_STRING_BYTES, 1)?;
+        let bytes = self.take(len)?;
+        String::from_utf8(bytes.to_vec()).map_err(|_| DecodeError::NotUtf8 { field })
+    }
+}

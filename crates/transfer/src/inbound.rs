@@ -1,0 +1,94 @@
+//! The receiving side of one transfer, sans I/O: which frames a reservation accepts and when
+//! its pages may be sealed (I4). The decode worker owns the pages; this type only decides.
+
+use crate::{Reject, TransferDone, TransferId};
+use kv::{RequestId, TenantId};
+
+/// What decode reserved for one transfer and what has arrived so far.
+#[derive(Clone, Debug)]
+pub struct Inbound {
+    pub transfer: TransferId,
+    pub request: RequestId,
+    pub tenant: TenantId,
+    /// Tokens of KV the sender must deliver: fixed by the router's request, not by the sender.
+    pub token_count: u32,
+    page_bytes: usize,
+    received: Vec<bool>,
+}
+
+impl Inbound {
+    /// A reservation for `token_count` tokens in pages of `page_size_tokens` tokens and
+    /// `page_bytes` bytes each.
+    pub fn new(
+        transfer: TransferId,
+        request: RequestId,
+        tenant: TenantId,
+        token_count: u32,
+        page_size_tokens: u32,
+        page_bytes: usize,
+    ) -> Inbound {
+        assert!(page_size_tokens > 0, "pages hold at least one token");
+        let page_count = token_count.div_ceil(page_size_tokens) as usize;
+        Inbound {
+            transfer,
+            request,
+            tenant,
+            token_count,
+            page_bytes,
+            received: vec![false; page_count],
+        }
+    }
+
+    pub fn page_count(&self) -> u32 {
+        self.received.len() as u32
+    }
+
+    /// Checks a page frame against the reservation; on `Ok`, the caller writes the bytes into
+    /// its page number `index`. A repeated page is accepted (its bytes replace the first copy)
+    /// because the checksum at `Done` covers whatever the pages finally hold.
+    pub fn accept_page(
+        &mut self,
+        request: RequestId,
+        tenant: TenantId,
+        index: u32,
+        byte_count: usize,
+    ) -> Result<usize, Reject> {
+        if request != self.request || tenant != self.tenant {
+            return Err(Reject::HeaderMismatch);
+        }
+        let index = index as usize;
+        if index >= self.received.len() || byte_count != self.page_bytes {
+            return Err(Reject::BadPage);
+        }
+        self.received[index] = true;
+        Ok(index)
+    }
+
+    /// Checks `Done` against the reservation: same request and tenant, the token and page
+    /// counts the router asked for (never the sender's word alone: a sender that says
+    /// "1 token, complete" is the incident), and every page present. The checksum is checked
+    /// separately, over the pages' bytes, by [`Inbound::verify_checksum`].
+    pub fn check_done(&self, done: &TransferDone) -> Result<(), Reject> {
+        if done.transfer != self.transfer {
+            return Err(Reject::UnknownTransfer);
+        }
+        if done.request != self.request || done.tenant != self.tenant {
+            return Err(Reject::HeaderMismatch);
+        }
+        if done.token_count != self.token_count || done.page_count != self.page_count() {
+            return Err(Reject::LengthMismatch);
+        }
+        if self.received.iter().any(|&received| !received) {
+            return Err(Reject::MissingPage);
+        }
+        Ok(())
+    }
+
+    /// Compares the sender's checksum with the one computed over our pages.
+    pub fn verify_checksum(&self, done: &TransferDone, computed: u64) -> Result<(), Reject> {
+        if done.checksum != computed {
+            return Err(Reject::ChecksumMismatch);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,26 @@
+//! The transfer protocol (DESIGN.md, Transfer protocol): the messages every link carries,
+//! their bounded encoding, the checksum, the receiver's verification rules, and the
+//! transports (TCP and in-process) that carry frames.
+//!
+//! Invariants kept here: **I4** in part (what a receiver accepts before sealing: header,
+//! counts fixed by the reservation, every page, checksum, in [`Inbound`]); hostile bytes
+//! never panic the decoder ([`Frame::decode`], fuzzed).
+//!
+//! What this crate is not: it owns no pages and runs no model. The workers apply its verdicts
+//! to their pools; it never decides when a page is freed.
+
+mod checksum;
+mod frame;
+mod inbound;
+pub mod transport;
+
+pub use checksum::transfer_checksum;
+pub use frame::{
+    DecodeError, Failure, Finish, Frame, PeerRole, Plan, Reject, Role, Sampling, Submit,
+    TransferDone, TransferId, WorkerInfo, MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS,
+    MAX_STRING_BYTES, PROTOCOL_VERSION,
+};
+pub use inbound::Inbound;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,358 @@
+use crate::transport::{read_frame, spawn_link, InProcess, Tcp, Transport};
+use crate::*;
+use kv::{RequestId, TenantId};
+use proptest::prelude::*;
+
+fn sample_frames() -> Vec<Frame> {
+    let submit = Submit {
+        request: RequestId(7),
+        tenant: TenantId(3),
+        prompt: vec![1, 2, 3, 49151],
+        max_tokens: 64,
+        sampling: Sampling {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 40,
+            seed: 11,
+        },
+        stop: vec!["\n\n".into(), "é".into()],
+        ignore_eos: true,
+        plan: Plan::Prefill {
+            transfer: TransferId(99),
+            decode_addr: "127.0.0.1:9002".into(),
+        },
+    };
+    let done = TransferDone {
+        transfer: TransferId(99),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        page_count: 2,
+        token_count: 20,
+        checksum: 0xdead_beef,
+    };
+    vec![
+        Frame::Connect {
+            peer: PeerRole::Prefill,
+        },
+        Frame::Hello(WorkerInfo {
+            role: Role::Decode,
+            name: "decode-0".into(),
+            model_id: "smollm2".into(),
+            page_size_tokens: 16,
+            capacity_tokens: 8192,
+            context_length: 8192,
+            epoch: 5,
+        }),
+        Frame::Submit(submit.clone()),
+        Frame::Submit(Submit {
+            plan: Plan::Decode {
+                transfer: TransferId(1),
+            },
+            ..submit.clone()
+        }),
+        Frame::Submit(Submit {
+            plan: Plan::Unified,
+            stop: vec![],
+            ..submit
+        }),
+        Frame::Abort {
+            request: RequestId(1),
+        },
+        Frame::Admitted {
+            request: RequestId(2),
+        },
+        Frame::Started {
+            request: RequestId(3),
+        },
+        Frame::Text {
+            request: RequestId(4),
+            text: "Paris.".into(),
+            token_count: 2,
+        },
+        Frame::Finished {
+            request: RequestId(5),
+            finish: Finish::Length,
+            prompt_tokens: 6,
+            completion_tokens: 7,
+        },
+        Frame::Failed {
+            request: RequestId(6),
+            failure: Failure::TransferFailed,
+            message: "checksum".into(),
+        },
+        Frame::PoolStats {
+            pages_free: 1,
+            pages_total: 2,
+            pages_quarantined: 0,
+            queue_depth: 3,
+            ownership_failures: 4,
+            frames_rejected: 5,
+        },
+        Frame::Page {
+            transfer: TransferId(99),
+            request: RequestId(7),
+            tenant: TenantId(3),
+            index: 1,
+            bytes: vec![1, 2, 3, 4, 5],
+        },
+        Frame::Done(done),
+        Frame::TransferAbort {
+            transfer: TransferId(99),
+            request: RequestId(7),
+        },
+        Frame::Ack {
+            transfer: TransferId(99),
+        },
+        Frame::Nack {
+            transfer: TransferId(99),
+            reject: Reject::ChecksumMismatch,
+        },
+        Frame::AbortAck {
+            transfer: TransferId(99),
+        },
+    ]
+}
+
+#[test]
+fn every_frame_kind_round_trips() {
+    for frame in sample_frames() {
+        assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+    }
+}
+
+#[test]
+fn every_truncation_of_every_frame_is_an_error() {
+    for frame in sample_frames() {
+        let body = frame.encode();
+        for len in 0..body.len() {
+            assert!(
+                Frame::decode(&body[..len]).is_err(),
+                "{frame:?} cut at {len}"
+            );
+        }
+        let mut longer = body.clone();
+        longer.push(0);
+        assert_eq!(
+            Frame::decode(&longer),
+            Err(DecodeError::TrailingBytes { extra: 1 })
+        );
+    }
+}
+
+#[test]
+fn another_protocol_version_is_refused() {
+    let mut body = Frame::Ack {
+        transfer: TransferId(1),
+    }
+    .encode();
+    body[2] = 2;
+    assert_eq!(Frame::decode(&body), Err(DecodeError::Version { found: 2 }));
+}
+
+#[test]
+fn huge_counts_are_refused_before_allocation() {
+    let mut body = Frame::Submit(match &sample_frames()[2] {
+        Frame::Submit(submit) => submit.clone(),
+        _ => unreachable!("frame 2 is a Submit"),
+    })
+    .encode();
+    // The prompt length sits after magic, version, kind, request and tenant.
+    let at = 2 + 2 + 1 + 8 + 8;
+    body[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert!(matches!(
+        Frame::decode(&body),
+        Err(DecodeError::TooLong {
+            field: "prompt",
+            ..
+        })
+    ));
+}
+
+proptest! {
+    #[test]
+    fn decode_never_panics_on_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = Frame::decode(&bytes);
+    }
+
+    #[test]
+    fn decode_never_panics_on_mutated_frames(
+        which in 0usize..18,
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
+    ) {
+        let frames = sample_frames();
+        let mut body = frames[which % frames.len()].encode();
+        for (at, value) in flips {
+            let at = at % body.len();
+            body[at] = value;
+        }
+        if let Ok(frame) = Frame::decode(&body) {
+            // Whatever decodes re-encodes to the same bytes: no two readings of one frame.
+            prop_assert_eq!(frame.encode(), body);
+        }
+    }
+
+    #[test]
+    fn text_and_prompts_round_trip(
+        text in ".{0,64}",
+        prompt in proptest::collection::vec(any::<u32>(), 0..64),
+        seed in any::<u64>(),
+    ) {
+        let frame = Frame::Submit(Submit {
+            request: RequestId(seed),
+            tenant: TenantId(seed ^ 1),
+            prompt,
+            max_tokens: 3,
+            sampling: Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed },
+            stop: vec![text.clone()],
+            ignore_eos: false,
+            plan: Plan::Unified,
+        });
+        prop_assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+    }
+}
+
+fn inbound() -> Inbound {
+    Inbound::new(TransferId(9), RequestId(1), TenantId(2), 20, 16, 8)
+}
+
+fn done_for(inbound: &Inbound, pages: &[Vec<u8>]) -> TransferDone {
+    let mut done = TransferDone {
+        transfer: inbound.transfer,
+        request: inbound.request,
+        tenant: inbound.tenant,
+        page_count: inbound.page_count(),
+        token_count: inbound.token_count,
+        checksum: 0,
+    };
+    done.checksum = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
+    done
+}
+
+#[test]
+fn a_complete_transfer_verifies() {
+    let mut inbound = inbound();
+    assert_eq!(inbound.page_count(), 2);
+    let pages = vec![vec![1u8; 8], vec![2u8; 8]];
+    assert_eq!(inbound.accept_page(RequestId(1), TenantId(2), 1, 8), Ok(1));
+    assert_eq!(inbound.accept_page(RequestId(1), TenantId(2), 0, 8), Ok(0));
+    let done = done_for(&inbound, &pages);
+    assert_eq!(inbound.check_done(&done), Ok(()));
+    let computed = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
+    assert_eq!(inbound.verify_checksum(&done, computed), Ok(()));
+}
+
+#[test]
+fn foreign_and_misplaced_pages_are_refused() {
+    let mut inbound = inbound();
+    assert_eq!(
+        inbound.accept_page(RequestId(1), TenantId(3), 0, 8),
+        Err(Reject::HeaderMismatch)
+    );
+    assert_eq!(
+        inbound.accept_page(RequestId(2), TenantId(2), 0, 8),
+        Err(Reject::HeaderMismatch)
+    );
+    assert_eq!(
+        inbound.accept_page(RequestId(1), TenantId(2), 2, 8),
+        Err(Reject::BadPage)
+    );
+    assert_eq!(
+        inbound.accept_page(RequestId(1), TenantId(2), 0, 7),
+        Err(Reject::BadPage)
+    );
+}
+
+#[test]
+fn the_incidents_placeholder_done_is_refused() {
+    // The sender claims "1 token, 1 page, complete" for a 20-token reservation.
+    let mut inbound = inbound();
+    inbound
+        .accept_page(RequestId(1), TenantId(2), 0, 8)
+        .unwrap();
+    let mut done = done_for(&inbound, &[vec![0u8; 8]]);
+    done.token_count = 1;
+    done.page_count = 1;
+    assert_eq!(inbound.check_done(&done), Err(Reject::LengthMismatch));
+}
+
+#[test]
+fn done_before_every_page_is_refused() {
+    let mut inbound = inbound();
+    inbound
+        .accept_page(RequestId(1), TenantId(2), 0, 8)
+        .unwrap();
+    let done = done_for(&inbound, &[vec![0u8; 8], vec![0u8; 8]]);
+    assert_eq!(inbound.check_done(&done), Err(Reject::MissingPage));
+}
+
+#[test]
+fn one_flipped_bit_fails_the_checksum() {
+    let inbound = inbound();
+    let pages = vec![vec![1u8; 8], vec![2u8; 8]];
+    let done = done_for(&inbound, &pages);
+    let mut flipped = pages.clone();
+    flipped[1][3] ^= 0x10;
+    let computed = transfer_checksum(&done, flipped.iter().map(Vec::as_slice));
+    assert_eq!(
+        inbound.verify_checksum(&done, computed),
+        Err(Reject::ChecksumMismatch)
+    );
+    // Header fields are covered too.
+    let mut other = done;
+    other.tenant = TenantId(77);
+    assert_ne!(
+        transfer_checksum(&other, pages.iter().map(Vec::as_slice)),
+        done.checksum
+    );
+}
+
+async fn echo_over(transport: &dyn Transport, addr: &str) {
+    let stream = transport.connect(addr).await.expect("connect");
+    let mut link = spawn_link(stream, "test".into());
+    for frame in sample_frames() {
+        link.tx.send(frame.clone()).expect("writer alive");
+        assert_eq!(link.rx.recv().await, Some(frame));
+    }
+}
+
+fn serve_echo(mut stream: transport::BoxStream) {
+    tokio::spawn(async move {
+        let (mut reader, mut writer) = tokio::io::split(&mut stream);
+        while let Ok(Some(frame)) = read_frame(&mut reader).await {
+            transport::write_frame(&mut writer, &frame)
+                .await
+                .expect("echo");
+        }
+    });
+}
+
+#[tokio::test]
+async fn frames_cross_tcp_and_in_process_links() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            serve_echo(Box::new(stream));
+        }
+    });
+    echo_over(&Tcp, &addr).await;
+
+    let in_process = InProcess::default();
+    let mut incoming = in_process.bind("decode-0");
+    tokio::spawn(async move {
+        while let Some(stream) = incoming.recv().await {
+            serve_echo(stream);
+        }
+    });
+    echo_over(&in_process, "decode-0").await;
+    assert!(in_process.connect("nobody").await.is_err());
+}
+
+#[tokio::test]
+async fn an_oversized_length_prefix_closes_the_link() {
+    let (mut ours, theirs) = tokio::io::duplex(64);
+    let mut link = spawn_link(Box::new(theirs), "test".into());
+    use tokio::io::AsyncWriteExt;
+    ours.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    assert_eq!(link.rx.recv().await, None);
+}

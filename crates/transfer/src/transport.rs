@@ -1,0 +1,188 @@
+//! Links between processes: length-prefixed frames over any byte stream, and the two ways to
+//! get a stream: TCP, or an in-process pipe registered under a name.
+//!
+//! Everything above this module sees a link as two channels of decoded [`Frame`]s; a link
+//! that breaks (EOF, I/O error, an undecodable frame) closes its inbound channel, which is how
+//! a worker learns that a peer is gone and that no more bytes can arrive from it.
+
+use crate::{DecodeError, Frame, MAX_FRAME_BYTES};
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// A bidirectional byte stream a link can run over.
+pub trait ByteStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> ByteStream for T {}
+
+pub type BoxStream = Box<dyn ByteStream>;
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Opens streams to addresses. TCP takes `host:port`; in-process takes a registered name.
+pub trait Transport: Send + Sync + 'static {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<BoxStream>>;
+}
+
+/// Why a link stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("link I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("peer sent a frame of {len} bytes, over the cap of {MAX_FRAME_BYTES}")]
+    FrameTooLarge { len: usize },
+    #[error("peer sent an undecodable frame: {0}")]
+    Decode(#[from] DecodeError),
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of stream between frames.
+pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<Frame>, LinkError> {
+    let mut len_bytes = [0u8; 4];
+    match reader.read_exact(&mut len_bytes).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len_bytes) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(LinkError::FrameTooLarge { len });
+    }
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body).await?;
+    Ok(Some(Frame::decode(&body)?))
+}
+
+/// Writes one frame (length prefix and body).
+pub async fn write_frame<W: AsyncWrite + Unpin>(writer: &mut W, frame: &Frame) -> io::Result<()> {
+    let body = frame.encode();
+    assert!(
+        body.len() <= MAX_FRAME_BYTES,
+        "we never build a frame our peer must refuse"
+    );
+    writer.write_all(&(body.len() as u32).to_le_bytes()).await?;
+    writer.write_all(&body).await
+}
+
+/// A running link: send frames with `tx`, receive with `rx`. `rx` yields `None` once the
+/// link is down; dropping every `tx` closes the write side.
+pub struct Link {
+    pub tx: mpsc::UnboundedSender<Frame>,
+    pub rx: mpsc::Receiver<Frame>,
+    pub tasks: LinkTasks,
+}
+
+/// The reader and writer tasks of a link; aborted when dropped, so no task outlives its owner.
+pub struct LinkTasks {
+    reader: JoinHandle<()>,
+    writer: JoinHandle<()>,
+}
+
+impl Drop for LinkTasks {
+    fn drop(&mut self) {
+        self.reader.abort();
+        self.writer.abort();
+    }
+}
+
+/// Inbound frames buffered per link before the reader stops reading (TCP backpressure).
+const INBOUND_FRAMES_MAX: usize = 256;
+
+/// Runs a link over `stream`. `name` labels log lines.
+pub fn spawn_link(stream: BoxStream, name: String) -> Link {
+    let (mut read_half, mut write_half) = tokio::io::split(stream);
+    let (in_tx, in_rx) = mpsc::channel(INBOUND_FRAMES_MAX);
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Frame>();
+    let reader_name = name.clone();
+    let reader = tokio::spawn(async move {
+        loop {
+            match read_frame(&mut read_half).await {
+                Ok(Some(frame)) => {
+                    if in_tx.send(frame).await.is_err() {
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(error) => {
+                    tracing::warn!(link = %reader_name, %error, "link closed");
+                    return;
+                }
+            }
+        }
+    });
+    let writer = tokio::spawn(async move {
+        while let Some(frame) = out_rx.recv().await {
+            if let Err(error) = write_frame(&mut write_half, &frame).await {
+                tracing::warn!(link = %name, %error, "link write failed");
+                return;
+            }
+        }
+        let _ = write_half.shutdown().await;
+    });
+    Link {
+        tx: out_tx,
+        rx: in_rx,
+        tasks: LinkTasks { reader, writer },
+    }
+}
+
+/// Plain TCP, `TCP_NODELAY` on (frames are small and latency-bound).
+pub struct Tcp;
+
+impl Transport for Tcp {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<BoxStream>> {
+        Box::pin(async move {
+            let stream = tokio::net::TcpStream::connect(addr).await?;
+            stream.set_nodelay(true)?;
+            Ok(Box::new(stream) as BoxStream)
+        })
+    }
+}
+
+/// Named in-process endpoints joined by in-memory pipes: the same framing and the same
+/// protocol as TCP, without sockets (for tests that want many workers and no ports).
+#[derive(Clone, Default)]
+pub struct InProcess {
+    endpoints: Arc<Mutex<HashMap<String, mpsc::Sender<BoxStream>>>>,
+}
+
+/// Bytes buffered in each direction of an in-process pipe.
+const PIPE_BYTES: usize = 1 << 20;
+
+impl InProcess {
+    /// Registers `name` and returns the queue its incoming streams arrive on.
+    pub fn bind(&self, name: &str) -> mpsc::Receiver<BoxStream> {
+        let (tx, rx) = mpsc::channel(64);
+        self.endpoints
+            .lock()
+            .expect("endpoint map lock is never held across a panic")
+            .insert(name.to_string(), tx);
+        rx
+    }
+}
+
+impl Transport for InProcess {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<BoxStream>> {
+        Box::pin(async move {
+            let endpoint = self
+                .endpoints
+                .lock()
+                .expect("endpoint map lock is never held across a panic")
+                .get(addr)
+                .cloned();
+            let endpoint = endpoint.ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::ConnectionRefused,
+                    format!("no endpoint {addr}"),
+                )
+            })?;
+            let (ours, theirs) = tokio::io::duplex(PIPE_BYTES);
+            endpoint.send(Box::new(theirs)).await.map_err(|_| {
+                io::Error::new(io::ErrorKind::ConnectionRefused, format!("{addr} is gone"))
+            })?;
+            Ok(Box::new(ours) as BoxStream)
+        })
+    }
+}

@@ -1,0 +1,272 @@
+//! The worker's network side: accepts links, greets each with this worker's `Hello`, opens
+//! links to decode workers on a prefill's behalf, and turns all of it into engine events.
+
+use crate::engine::{Engine, Event, LinkId, LinkKind};
+use crate::WorkerConfig;
+use gguf::Tokenizer;
+use kv::PagePool;
+use model::Model;
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::task::JoinHandle;
+use transfer::transport::{spawn_link, BoxStream, Link, Transport};
+use transfer::{Failure, Frame, PeerRole, Plan, Role, WorkerInfo};
+
+/// Where a worker's links come from.
+pub enum Listener {
+    Tcp(TcpListener),
+    InProcess(tokio::sync::mpsc::Receiver<BoxStream>),
+}
+
+impl Listener {
+    async fn accept(&mut self) -> io::Result<BoxStream> {
+        match self {
+            Listener::Tcp(listener) => {
+                let (stream, _) = listener.accept().await?;
+                stream.set_nodelay(true)?;
+                Ok(Box::new(stream))
+            }
+            Listener::InProcess(incoming) => incoming
+                .recv()
+                .await
+                .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "endpoint closed")),
+        }
+    }
+}
+
+/// A running worker. Dropping it stops the engine and the accept loop.
+pub struct Worker {
+    pub info: WorkerInfo,
+    events: mpsc::Sender<Event>,
+    accept: JoinHandle<()>,
+    engine: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.accept.abort();
+        let _ = self.events.send(Event::Shutdown);
+        if let Some(engine) = self.engine.take() {
+            let _ = engine.join();
+        }
+    }
+}
+
+/// How long a new link may take to say who it is.
+const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+
+static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
+
+/// Starts the engine thread and the accept loop. `transport` opens links to decode workers
+/// (prefill role only). Must be called inside a tokio runtime.
+pub fn start_worker(
+    config: WorkerConfig,
+    model: Model,
+    tokenizer: Tokenizer,
+    pool: PagePool,
+    mut listener: Listener,
+    transport: Arc<dyn Transport>,
+) -> io::Result<Worker> {
+    let info = WorkerInfo {
+        role: config.role,
+        name: config.name.clone(),
+        model_id: config.model_id.clone(),
+        page_size_tokens: pool.layout().page_size_tokens as u32,
+        capacity_tokens: pool.capacity_tokens() as u64,
+        context_length: config.context_length as u32,
+        epoch: random_epoch(),
+    };
+    let (events, events_rx) = mpsc::channel();
+    let engine = Engine::new(config, model, tokenizer, pool);
+    let thread_name = format!("engine-{}", info.name);
+    let engine = std::thread::Builder::new()
+        .name(thread_name)
+        .spawn(move || {
+            let outcome =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run(events_rx)));
+            if outcome.is_err() {
+                // A broken invariant: the worker must not go on serving with it.
+                eprintln!("airlock: worker engine stopped on a broken invariant; exiting");
+                std::process::exit(70);
+            }
+        })?;
+    let shared = Arc::new(Shared {
+        info: info.clone(),
+        events: events.clone(),
+        transport,
+        peers: AsyncMutex::new(HashMap::new()),
+    });
+    let accept = tokio::spawn(async move {
+        loop {
+            match listener.accept().await {
+                Ok(stream) => {
+                    let shared = shared.clone();
+                    tokio::spawn(async move { shared.serve_link(stream).await });
+                }
+                Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return,
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    });
+    Ok(Worker {
+        info,
+        events,
+        accept,
+        engine: Some(engine),
+    })
+}
+
+struct Shared {
+    info: WorkerInfo,
+    events: mpsc::Sender<Event>,
+    transport: Arc<dyn Transport>,
+    /// Open links to decode workers, by address.
+    peers: AsyncMutex<HashMap<String, LinkId>>,
+}
+
+impl Shared {
+    /// One incoming link, from greeting to close.
+    async fn serve_link(self: Arc<Self>, stream: BoxStream) {
+        let mut link = spawn_link(stream, format!("{}-in", self.info.name));
+        let kind = match tokio::time::timeout(GREETING_TIMEOUT, link.rx.recv()).await {
+            Ok(Some(Frame::Connect {
+                peer: PeerRole::Router,
+            })) => LinkKind::Router,
+            Ok(Some(Frame::Connect {
+                peer: PeerRole::Prefill,
+            })) if self.info.role == Role::Decode => LinkKind::PrefillPeer,
+            _ => {
+                tracing::warn!("link closed: no valid greeting");
+                return;
+            }
+        };
+        let _ = link.tx.send(Frame::Hello(self.info.clone()));
+        let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
+        let up = Event::LinkUp {
+            link: id,
+            kind,
+            tx: link.tx.clone(),
+        };
+        if self.events.send(up).is_err() {
+            return;
+        }
+        while let Some(frame) = link.rx.recv().await {
+            let event = match frame {
+                Frame::Submit(submit) if matches!(submit.plan, Plan::Prefill { .. }) => {
+                    let Plan::Prefill { decode_addr, .. } = &submit.plan else {
+                        unreachable!("matched above");
+                    };
+                    match self.peer(decode_addr).await {
+                        Ok(peer) => Event::SubmitToPeer {
+                            link: id,
+                            submit,
+                            peer,
+                        },
+                        Err(message) => {
+                            let _ = link.tx.send(Frame::Failed {
+                                request: submit.request,
+                                failure: Failure::PeerUnavailable,
+                                message,
+                            });
+                            continue;
+                        }
+                    }
+                }
+                frame => Event::Frame { link: id, frame },
+            };
+            if self.events.send(event).is_err() {
+                return;
+            }
+        }
+        let _ = self.events.send(Event::LinkDown { link: id });
+    }
+
+    /// The link to the decode worker at `addr`, opened (and checked) if need be.
+    async fn peer(self: &Arc<Self>, addr: &str) -> Result<LinkId, String> {
+        let mut peers = self.peers.lock().await;
+        if let Some(&id) = peers.get(addr) {
+            return Ok(id);
+        }
+        let (link, info) = tokio::time::timeout(GREETING_TIMEOUT, self.connect_peer(addr))
+            .await
+            .map_err(|_| format!("decode worker {addr} did not answer in time"))??;
+        let mine = &self.info;
+        if info.role != Role::Decode
+            || info.model_id != mine.model_id
+            || info.page_size_tokens != mine.page_size_tokens
+        {
+            return Err(format!(
+                "worker {addr} is not a matching decode worker (role {:?}, model {}, page size \
+                 {}; this prefill serves {} with page size {})",
+                info.role,
+                info.model_id,
+                info.page_size_tokens,
+                mine.model_id,
+                mine.page_size_tokens
+            ));
+        }
+        let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
+        let up = Event::LinkUp {
+            link: id,
+            kind: LinkKind::DecodePeer,
+            tx: link.tx.clone(),
+        };
+        self.events
+            .send(up)
+            .map_err(|_| "the worker is shutting down".to_string())?;
+        peers.insert(addr.to_string(), id);
+        let shared = self.clone();
+        let addr = addr.to_string();
+        tokio::spawn(async move {
+            let mut link = link;
+            while let Some(frame) = link.rx.recv().await {
+                if shared
+                    .events
+                    .send(Event::Frame { link: id, frame })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            shared.peers.lock().await.remove(&addr);
+            let _ = shared.events.send(Event::LinkDown { link: id });
+        });
+        Ok(id)
+    }
+
+    async fn connect_peer(&self, addr: &str) -> Result<(Link, WorkerInfo), String> {
+        let stream = self
+            .transport
+            .connect(addr)
+            .await
+            .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
+        let mut link = spawn_link(stream, format!("{}-to-{addr}", self.info.name));
+        let _ = link.tx.send(Frame::Connect {
+            peer: PeerRole::Prefill,
+        });
+        match link.rx.recv().await {
+            Some(Frame::Hello(info)) => Ok((link, info)),
+            _ => Err(format!("decode worker {addr} refused the link")),
+        }
+    }
+}
+
+/// A per-process random number, so a restarted worker is told apart from its predecessor.
+fn random_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish()
+}
