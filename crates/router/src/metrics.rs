@@ -9,7 +9,7 @@ use std::sync::Mutex;
 const COUNTERS: &[(&str, &str)] = &[
     (
         "airlock_requests_total",
-        "Requests by outcome (ok, error) and reason (finish reason or error code).",
+        "Requests by outcome (ok, error, cancelled) and reason (finish reason, error code).",
     ),
     (
         "airlock_transfers_total",

@@ -522,6 +522,10 @@ impl Drop for Run {
         // The client is gone (or we gave up) before the end: abort through the protocol. The
         // workers release their pages once it is safe; nothing here touches them.
         tracing::debug!(request = self.id.0, "aborting request");
+        self.state.metrics.inc(
+            "airlock_requests_total",
+            &[("outcome", "cancelled"), ("reason", "client_gone")],
+        );
         for worker in &self.workers {
             worker.send(Frame::Abort { request: self.id });
             worker.forget(self.id);

@@ -3,11 +3,11 @@
 use std::path::Path;
 use std::process::Command;
 
-fn airlock() -> Command {
+pub fn airlock() -> Command {
     Command::new(env!("CARGO_BIN_EXE_airlock"))
 }
 
-fn model_path() -> String {
+pub fn model_path() -> String {
     let default =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let path = std::env::var("AIRLOCK_MODEL").unwrap_or_else(|_| default.display().to_string());

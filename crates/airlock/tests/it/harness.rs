@@ -1,0 +1,307 @@
+//! A serving cluster inside the test process: workers and a router over real TCP on
+//! loopback (ports chosen by the OS), hosted on one shared runtime so servers outlive the
+//! test function that starts them. Tests drive them with a real HTTP client.
+
+use crate::cli::model_path;
+use gguf::{ChatTemplate, GgufFile, Tokenizer};
+use kv::{PagePool, PoolConfig, PoolSize};
+use model::{LoadOptions, Model};
+use router::{AppState, Cluster, Metrics, RouterConfig, Tenants};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+use transfer::transport::Tcp;
+use transfer::Role;
+use worker::{start_worker, Listener, Worker, WorkerConfig};
+
+pub const MODEL: &str = "SmolLM2-135M-Instruct";
+
+pub fn runtime() -> &'static Runtime {
+    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("test runtime")
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Disaggregated,
+    Unified,
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub mode: Mode,
+    pub kv_tokens: usize,
+    /// The workers' and router's context length (the model's when `None`).
+    pub context_length: Option<usize>,
+    /// A keys file's text; `None` runs single-tenant.
+    pub keys: Option<&'static str>,
+    pub queue_timeout: Duration,
+    pub page_size: usize,
+}
+
+impl Options {
+    pub fn new(mode: Mode) -> Options {
+        Options {
+            mode,
+            kv_tokens: 2048,
+            context_length: None,
+            keys: None,
+            queue_timeout: Duration::from_secs(30),
+            page_size: 16,
+        }
+    }
+}
+
+/// A running cluster; dropping it stops everything.
+pub struct TestServer {
+    pub url: String,
+    server: JoinHandle<()>,
+    _workers: Vec<Worker>,
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+pub struct ModelFile {
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    pub context_length: usize,
+}
+
+pub fn model_file() -> ModelFile {
+    let bytes = std::fs::read(model_path()).expect("model readable");
+    let file = GgufFile::parse(&bytes).expect("model parses");
+    ModelFile {
+        tokenizer: Tokenizer::from_gguf(&file).expect("tokenizer"),
+        chat_template: Some(ChatTemplate::from_gguf(&file).expect("chat template")),
+        context_length: model::LlamaConfig::from_gguf(&file)
+            .expect("config")
+            .context_length,
+    }
+}
+
+pub fn load_model() -> model::Loaded {
+    let options = LoadOptions {
+        threads: 1,
+        backend: None,
+    };
+    Model::load(model_path().as_ref(), &options, &mut |_| {}).expect("model loads")
+}
+
+pub fn start(options: Options) -> TestServer {
+    let file = model_file();
+    let context_length = options.context_length.unwrap_or(file.context_length);
+    let roles: &[Role] = match options.mode {
+        Mode::Disaggregated => &[Role::Prefill, Role::Decode],
+        Mode::Unified => &[Role::Unified],
+    };
+    runtime().block_on(async {
+        let mut workers = Vec::new();
+        let mut addresses = Vec::new();
+        for &role in roles {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            let address = listener.local_addr().expect("address").to_string();
+            let loaded = load_model();
+            let layout = loaded.model.config().kv_layout(options.page_size);
+            let pool = PagePool::new(PoolConfig {
+                layout,
+                size: PoolSize::Tokens(options.kv_tokens),
+                scrub_on_free: false,
+            })
+            .expect("pool");
+            let config = WorkerConfig {
+                role,
+                name: format!("{role:?}-{address}").to_lowercase(),
+                model_id: MODEL.into(),
+                context_length,
+                queue_max: 64,
+                queue_timeout: options.queue_timeout,
+                transfer_timeout: Duration::from_secs(30),
+                step_tokens: 256,
+                max_batch: 64,
+            };
+            let worker = start_worker(
+                config,
+                loaded.model,
+                loaded.tokenizer,
+                pool,
+                Listener::Tcp(listener),
+                Arc::new(Tcp),
+            )
+            .expect("worker starts");
+            workers.push(worker);
+            addresses.push((address, role));
+        }
+        let metrics = Arc::new(Metrics::new());
+        let cluster = Cluster::connect(addresses, MODEL.into(), Arc::new(Tcp), metrics.clone());
+        assert!(
+            cluster.wait_ready(Duration::from_secs(30)).await,
+            "workers link"
+        );
+        let tenants = match options.keys {
+            Some(text) => Tenants::from_toml(text).expect("keys file"),
+            None => Tenants::open(),
+        };
+        let config = RouterConfig {
+            model_id: MODEL.into(),
+            context_length,
+            body_bytes_max: 1 << 20,
+            default_max_tokens: 64,
+            in_flight_max: 256,
+            start_timeout: Duration::from_secs(60),
+        };
+        let state = Arc::new(AppState::new(
+            config,
+            tenants,
+            cluster,
+            metrics,
+            file.tokenizer,
+            file.chat_template,
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let server = tokio::spawn(async move {
+            axum::serve(listener, router::app(state))
+                .await
+                .expect("server runs");
+        });
+        TestServer {
+            url,
+            server,
+            _workers: workers,
+        }
+    })
+}
+
+/// What a test sees of one HTTP answer.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.body))
+    }
+
+    /// The OpenAI error code of an error answer.
+    pub fn code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("not an OpenAI error: {}", self.body))
+            .to_string()
+    }
+
+    pub fn message(&self) -> String {
+        self.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .expect("client")
+}
+
+pub async fn post_raw(url: &str, path: &str, body: Vec<u8>, key: Option<&str>) -> Answer {
+    let mut request = client()
+        .post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(key) = key {
+        request = request.bearer_auth(key);
+    }
+    let response = request.send().await.expect("request sent");
+    let status = response.status().as_u16();
+    let body = response.text().await.expect("body read");
+    Answer { status, body }
+}
+
+pub async fn post(url: &str, path: &str, body: serde_json::Value) -> Answer {
+    post_raw(url, path, body.to_string().into_bytes(), None).await
+}
+
+/// A greedy completion request for `prompt`.
+pub fn completion(prompt: &str, max_tokens: usize) -> serde_json::Value {
+    serde_json::json!({
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    })
+}
+
+pub async fn metrics(url: &str) -> String {
+    client()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .expect("metrics answer")
+        .text()
+        .await
+        .expect("metrics body")
+}
+
+/// The value of every sample of `name` in a metrics page, with its labels.
+pub fn samples(metrics: &str, name: &str) -> Vec<(String, f64)> {
+    metrics
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (key, value) = line.rsplit_once(' ')?;
+            let labels = key.strip_prefix(name)?;
+            if !(labels.is_empty() || labels.starts_with('{')) {
+                return None;
+            }
+            Some((labels.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Waits (bounded) until every pool is back to all pages free and nothing waits: I9.
+/// Returns the last metrics page either way, for the assertion to show.
+pub async fn wait_idle(url: &str) -> (bool, String) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let page = metrics(url).await;
+        let used: f64 = samples(&page, "airlock_kv_pages_used")
+            .iter()
+            .map(|s| s.1)
+            .sum();
+        let queued: f64 = samples(&page, "airlock_worker_queue_depth")
+            .iter()
+            .map(|s| s.1)
+            .sum();
+        let waiting: f64 = samples(&page, "airlock_router_queue_depth")
+            .iter()
+            .map(|s| s.1)
+            .sum();
+        if used == 0.0 && queued == 0.0 && waiting == 0.0 {
+            return (true, page);
+        }
+        if Instant::now() > deadline {
+            return (false, page);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -1,0 +1,419 @@
+//! Serving on the real model: the same answers whichever way a request goes, admission,
+//! waiting for pages, tenants, and pools that always come back (I2, I3, I7, I9).
+
+use crate::harness::{
+    client, completion, load_model, model_file, post, post_raw, runtime, start, wait_idle, Mode,
+    Options, MODEL,
+};
+use futures_util::StreamExt;
+use gguf::ChatMessage;
+use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
+use model::{GenerateRequest, SamplingParams};
+use serde_json::json;
+use std::time::Duration;
+
+const PROMPTS: &[&str] = &[
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+];
+const CHAT: &str = "Name three primary colors.";
+const MAX_TOKENS: usize = 24;
+
+/// What `airlock generate` prints for `prompt` (greedy), computed the same way.
+fn generate_text(loaded: &model::Loaded, prompt: &[u32]) -> String {
+    let layout = loaded.model.config().kv_layout(16);
+    let mut pool = PagePool::new(PoolConfig {
+        layout,
+        size: PoolSize::Tokens(2048),
+        scrub_on_free: false,
+    })
+    .expect("pool");
+    let request = GenerateRequest {
+        prompt: prompt.to_vec(),
+        max_tokens: MAX_TOKENS,
+        sampling: SamplingParams::greedy(),
+        stop: Vec::new(),
+        stop_at_eos: true,
+        prefill_chunk: 512,
+    };
+    let owner = Owner {
+        tenant: TenantId(0),
+        request: RequestId(0),
+    };
+    model::generate(
+        &loaded.model,
+        &loaded.tokenizer,
+        &mut pool,
+        owner,
+        &request,
+        &mut |_| {},
+    )
+    .expect("generate")
+    .text
+}
+
+async fn served_texts(url: &str) -> Vec<String> {
+    let mut texts = Vec::new();
+    for prompt in PROMPTS {
+        let answer = post(url, "/v1/completions", completion(prompt, MAX_TOKENS)).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        texts.push(
+            answer.json()["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    let chat = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": CHAT}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    });
+    let answer = post(url, "/v1/chat/completions", chat).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let content = &answer.json()["choices"][0]["message"]["content"];
+    texts.push(content.as_str().unwrap().to_string());
+    texts
+}
+
+#[test]
+fn greedy_output_is_the_same_through_serve_unified_and_generate() {
+    let loaded = load_model();
+    let file = model_file();
+    let template = file.chat_template.as_ref().expect("template");
+    let mut expected: Vec<String> = PROMPTS
+        .iter()
+        .map(|p| generate_text(&loaded, &loaded.tokenizer.encode(p, false)))
+        .collect();
+    let chat = template
+        .render(&[ChatMessage::new("user", CHAT)], true)
+        .expect("render");
+    expected.push(generate_text(
+        &loaded,
+        &loaded.tokenizer.encode(&chat, true),
+    ));
+    assert!(expected.iter().all(|t| !t.is_empty()));
+
+    for mode in [Mode::Disaggregated, Mode::Unified] {
+        let server = start(Options::new(mode));
+        let served = runtime().block_on(served_texts(&server.url));
+        assert_eq!(served, expected, "{mode:?} differs from generate");
+    }
+}
+
+#[test]
+fn oversized_requests_get_400_and_others_still_succeed() {
+    // A pool (512 tokens) smaller than the context (8192): what the start-up check will
+    // refuse, run here on purpose to show admission catches it per request.
+    let mut options = Options::new(Mode::Disaggregated);
+    options.kv_tokens = 512;
+    let server = start(options);
+    runtime().block_on(async {
+        let url = &server.url;
+        let normal = post(
+            url,
+            "/v1/completions",
+            completion("The capital of France is", 8),
+        );
+        let over_pool = post(url, "/v1/completions", completion(&"word ".repeat(600), 8));
+        let over_context = post(url, "/v1/completions", completion(&"word ".repeat(9000), 8));
+        let (normal, over_pool, over_context) = tokio::join!(normal, over_pool, over_context);
+        assert_eq!(normal.status, 200, "{}", normal.body);
+        for (answer, numbers) in [(&over_pool, ["512", "601"]), (&over_context, ["8192", "8"])] {
+            assert_eq!(answer.status, 400, "{}", answer.body);
+            assert_eq!(answer.code(), "context_length_exceeded");
+            for number in numbers {
+                assert!(answer.message().contains(number), "{}", answer.body);
+            }
+        }
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "{page}");
+    });
+}
+
+/// Reads an SSE body, returning the `data:` payloads and any `event: error` payload.
+async fn read_stream(response: reqwest::Response) -> (Vec<String>, Option<String>) {
+    let text = response.text().await.expect("stream read");
+    let mut data = Vec::new();
+    let mut error = None;
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let is_error = event.lines().any(|l| l == "event: error");
+        for line in event.lines() {
+            if let Some(payload) = line.strip_prefix("data: ") {
+                if is_error {
+                    error = Some(payload.to_string());
+                } else {
+                    data.push(payload.to_string());
+                }
+            }
+        }
+    }
+    (data, error)
+}
+
+fn stream_request(url: &str, prompt: &str, max_tokens: usize) -> reqwest::RequestBuilder {
+    client().post(format!("{url}/v1/completions")).json(&json!({
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+        "stream": true,
+    }))
+}
+
+#[test]
+fn streams_end_with_done_and_the_same_text() {
+    let server = start(Options::new(Mode::Disaggregated));
+    runtime().block_on(async {
+        let url = &server.url;
+        let whole = post(url, "/v1/completions", completion(PROMPTS[0], 16)).await;
+        let response = stream_request(url, PROMPTS[0], 16)
+            .json(&completion(PROMPTS[0], 16).as_object().map(|o| {
+                let mut o = o.clone();
+                o.insert("stream".into(), true.into());
+                o
+            }))
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(response.status().as_u16(), 200);
+        let (data, error) = read_stream(response).await;
+        assert_eq!(error, None);
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let mut text = String::new();
+        let mut finish = None;
+        for chunk in &data[..data.len() - 1] {
+            let chunk: serde_json::Value = serde_json::from_str(chunk).expect("chunk JSON");
+            text.push_str(chunk["choices"][0]["text"].as_str().unwrap_or(""));
+            if let Some(reason) = chunk["choices"][0]["finish_reason"].as_str() {
+                finish = Some(reason.to_string());
+            }
+        }
+        assert_eq!(text, whole.json()["choices"][0]["text"].as_str().unwrap());
+        assert!(matches!(finish.as_deref(), Some("length" | "stop")));
+    });
+}
+
+#[test]
+fn a_mixed_workload_with_cancellations_returns_every_pool_to_its_start() {
+    let mut options = Options::new(Mode::Disaggregated);
+    options.kv_tokens = 4096;
+    let server = start(options);
+    runtime().block_on(async {
+        let url = server.url.clone();
+        let long_prompt = "The quick brown fox jumps over the lazy dog. ".repeat(120);
+        let mut tasks = Vec::new();
+        // Finished normally, streaming and not.
+        for (i, prompt) in PROMPTS.iter().enumerate() {
+            let url = url.clone();
+            let prompt = prompt.to_string();
+            tasks.push(tokio::spawn(async move {
+                if i % 2 == 0 {
+                    let answer = post(&url, "/v1/completions", completion(&prompt, 12)).await;
+                    assert_eq!(answer.status, 200, "{}", answer.body);
+                } else {
+                    let response = stream_request(&url, &prompt, 12)
+                        .send()
+                        .await
+                        .expect("sent");
+                    let (data, error) = read_stream(response).await;
+                    assert_eq!(
+                        (data.last().map(String::as_str), error),
+                        (Some("[DONE]"), None)
+                    );
+                }
+            }));
+        }
+        // Refused before any allocation.
+        for _ in 0..2 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let answer = post(
+                    &url,
+                    "/v1/completions",
+                    completion(&"word ".repeat(9000), 4),
+                )
+                .await;
+                assert_eq!(answer.status, 400);
+            }));
+        }
+        // Clients that go away: at once (queued or prefilling), during a long prompt's
+        // prefill or transfer, and mid-decode after the first streamed chunk.
+        for delay_ms in [0u64, 5, 30, 80, 200] {
+            let url = url.clone();
+            let prompt = long_prompt.clone();
+            tasks.push(tokio::spawn(async move {
+                let request = stream_request(&url, &prompt, 64).send();
+                let _ = tokio::time::timeout(Duration::from_millis(delay_ms), request).await;
+            }));
+        }
+        // 1800 tokens take far longer than `wait_idle` waits: only an abort that
+        // reaches the decode worker frees these pages in time.
+        for _ in 0..2 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let response = stream_request(&url, PROMPTS[2], 1800)
+                    .send()
+                    .await
+                    .expect("sent");
+                let mut body = response.bytes_stream();
+                let first = body.next().await;
+                assert!(first.is_some(), "a first chunk arrives");
+                drop(body);
+            }));
+        }
+        for task in tasks {
+            task.await.expect("task ran");
+        }
+        let (idle, page) = wait_idle(&url).await;
+        assert!(idle, "every pool back at its start (I9):\n{page}");
+        let cancelled = crate::harness::samples(&page, "airlock_requests_total")
+            .into_iter()
+            .filter(|(labels, _)| labels.contains("cancelled"))
+            .map(|s| s.1)
+            .sum::<f64>();
+        assert!(
+            cancelled >= 2.0,
+            "the disconnects reached the router:\n{page}"
+        );
+        // And the server still answers.
+        let answer = post(&url, "/v1/completions", completion(PROMPTS[0], 4)).await;
+        assert_eq!(answer.status, 200);
+    });
+}
+
+#[test]
+fn a_request_that_fits_later_waits_for_pages() {
+    // Room for one 200-token request at a time: the second waits, then runs.
+    let mut options = Options::new(Mode::Disaggregated);
+    options.kv_tokens = 256;
+    let server = start(options);
+    runtime().block_on(async {
+        let request = |prompt: &str| {
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 180, "temperature": 0,
+                   "ignore_eos": true})
+        };
+        let url = &server.url;
+        let (a, b) = tokio::join!(
+            post(url, "/v1/completions", request(PROMPTS[0])),
+            post(url, "/v1/completions", request(PROMPTS[1]))
+        );
+        for answer in [a, b] {
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            assert_eq!(answer.json()["usage"]["completion_tokens"], 180);
+        }
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "{page}");
+    });
+}
+
+#[test]
+fn a_request_that_waits_past_the_queue_timeout_gets_503() {
+    let mut options = Options::new(Mode::Unified);
+    options.kv_tokens = 256;
+    options.queue_timeout = Duration::from_millis(200);
+    let server = start(options);
+    runtime().block_on(async {
+        let url = server.url.clone();
+        let long = json!({"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 220,
+                          "temperature": 0, "ignore_eos": true});
+        let first = tokio::spawn({
+            let url = url.clone();
+            async move { post(&url, "/v1/completions", long).await }
+        });
+        // The second may only start once the first holds the pool.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let page = crate::harness::metrics(&url).await;
+            let used: f64 = crate::harness::samples(&page, "airlock_kv_pages_used")
+                .iter()
+                .map(|s| s.1)
+                .sum();
+            if used > 0.0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "first request never started"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = post(url.as_str(), "/v1/completions", completion(PROMPTS[1], 200)).await;
+        assert_eq!(second.status, 503, "{}", second.body);
+        assert_eq!(second.code(), "overloaded");
+        assert_eq!(first.await.expect("first ran").status, 200);
+        let (idle, page) = wait_idle(&url).await;
+        assert!(idle, "{page}");
+    });
+}
+
+const KEYS: &str = r#"
+[tenants.alice]
+keys = ["sk-alice-test-key"]
+max_concurrent = 1
+
+[tenants.bob]
+keys = ["sk-bob-test-key-1"]
+"#;
+
+#[test]
+fn keys_decide_the_tenant_and_limits_answer_429() {
+    let mut options = Options::new(Mode::Disaggregated);
+    options.keys = Some(KEYS);
+    let server = start(options);
+    runtime().block_on(async {
+        let url = server.url.clone();
+        let body = completion(PROMPTS[0], 4).to_string().into_bytes();
+        for key in [
+            None,
+            Some("sk-alice-test-ke"),
+            Some("sk-alice-test-key2"),
+            Some(""),
+        ] {
+            let answer = post_raw(&url, "/v1/completions", body.clone(), key).await;
+            assert_eq!(answer.status, 401, "{key:?}: {}", answer.body);
+            assert_eq!(answer.code(), "invalid_api_key");
+        }
+        let models = client()
+            .get(format!("{url}/v1/models"))
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(models.status().as_u16(), 401);
+
+        // Alice may run one request at a time.
+        let long = json!({"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 150,
+                          "temperature": 0, "ignore_eos": true, "stream": true});
+        let held = client()
+            .post(format!("{url}/v1/completions"))
+            .bearer_auth("sk-alice-test-key")
+            .json(&long)
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(held.status().as_u16(), 200);
+        let second = post_raw(
+            &url,
+            "/v1/completions",
+            body.clone(),
+            Some("sk-alice-test-key"),
+        )
+        .await;
+        assert_eq!(second.status, 429, "{}", second.body);
+        assert_eq!(second.code(), "rate_limit_exceeded");
+        let bob = post_raw(
+            &url,
+            "/v1/completions",
+            body.clone(),
+            Some("sk-bob-test-key-1"),
+        )
+        .await;
+        assert_eq!(bob.status, 200, "{}", bob.body);
+        drop(held);
+        let (idle, page) = wait_idle(&url).await;
+        assert!(idle, "{page}");
+    });
+}
