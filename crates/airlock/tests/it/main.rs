@@ -4,4 +4,5 @@
 mod api;
 mod cli;
 mod harness;
+mod processes;
 mod serving;

@@ -1,0 +1,200 @@
+//! The roles as separate processes on loopback, and the official `openai` Python client
+//! against `airlock serve`.
+
+use crate::cli::{airlock, model_path};
+use crate::harness::{completion, post, runtime, MODEL};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A child process killed on drop.
+struct Process {
+    child: Child,
+    name: &'static str,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `airlock ARGS` and waits (bounded) for the stdout line containing `marker`;
+/// returns the process and the text after the marker up to the first space.
+fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
+    let mut child = airlock()
+        .args(args)
+        .args(["--model", &model_path(), "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("airlock starts");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let process = Process { child, name };
+    let (tx, rx) = mpsc::channel();
+    let wanted = marker.to_string();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split(wanted.as_str()).nth(1) {
+                let value = rest
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                let _ = tx.send(value);
+            }
+        }
+    });
+    let value = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{} never printed {marker:?}", process.name));
+    (process, value)
+}
+
+fn start_worker(role: &'static str, port: &str) -> (Process, String) {
+    spawn(
+        role,
+        &[role, "--port", port, "--kv-tokens", "2048"],
+        "worker listening on ",
+    )
+}
+
+fn base_url(line_value: &str) -> String {
+    line_value.trim_end_matches("/v1").to_string()
+}
+
+#[test]
+fn router_prefill_and_decode_as_separate_processes_serve_together() {
+    let (_decode, decode_addr) = start_worker("decode", "0");
+    let (_prefill, prefill_addr) = start_worker("prefill", "0");
+    let (_router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &prefill_addr,
+            "--decode",
+            &decode_addr,
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    runtime().block_on(async {
+        let answer = post(
+            &url,
+            "/v1/completions",
+            completion("The capital of France is", 4),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let text = answer.json()["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(text.starts_with(" Paris"), "{text:?}");
+        let health = crate::harness::client()
+            .get(format!("{url}/health"))
+            .send()
+            .await
+            .expect("health");
+        assert_eq!(health.status().as_u16(), 200);
+        let (idle, page) = crate::harness::wait_idle(&url).await;
+        assert!(idle, "{page}");
+    });
+}
+
+#[test]
+fn a_restarted_decode_worker_is_linked_again() {
+    let (decode, decode_addr) = start_worker("decode", "0");
+    let (_prefill, prefill_addr) = start_worker("prefill", "0");
+    let (_router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &prefill_addr,
+            "--decode",
+            &decode_addr,
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    drop(decode);
+    runtime().block_on(async {
+        // With the decode worker gone, nothing answers 200.
+        let answer = post(&url, "/v1/completions", completion("Hello", 4)).await;
+        assert!(matches!(answer.status, 502 | 503), "{}", answer.body);
+    });
+    let port = decode_addr.rsplit(':').next().expect("port");
+    let (_decode, _) = start_worker("decode", port);
+    runtime().block_on(async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = post(&url, "/v1/completions", completion("Hello", 4)).await;
+            if answer.status == 200 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never served again: {}",
+                answer.body
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
+#[test]
+fn the_openai_python_client_talks_to_serve() {
+    let dir = std::env::temp_dir().join(format!("airlock-openai-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let keys = dir.join("keys.toml");
+    std::fs::write(
+        &keys,
+        "[tenants.alice]\nkeys = [\"sk-alice-0123456789\"]\n\
+         [tenants.bob]\nkeys = [\"sk-bob-0123456789\"]\n",
+    )
+    .expect("keys file");
+    let keys = keys.display().to_string();
+    let (_serve, url) = spawn(
+        "serve",
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--kv-tokens",
+            "2048",
+            "--api-keys",
+            &keys,
+        ],
+        " at ",
+    );
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let output = std::process::Command::new("python3")
+        .args([
+            script,
+            &url,
+            "sk-alice-0123456789",
+            "sk-bob-0123456789",
+            MODEL,
+        ])
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "openai client checks failed (CI installs the client: pip install openai)\n\
+         stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("all openai client checks passed"),
+        "{stdout}"
+    );
+}
