@@ -1,5 +1,6 @@
 //! `airlock`: the command-line entry point. One module per subcommand; glue only.
 
+mod bench;
 mod bench_model;
 mod config_file;
 mod generate;
@@ -31,6 +32,9 @@ enum Command {
     /// Serve with one unified worker (prefill and decode in one pool, no transfer): the
     /// single-node baseline.
     Unified(serve::UnifiedArgs),
+    /// Load-test OpenAI-compatible endpoints (ours and llama.cpp's, started in turn, or any
+    /// URL): output tokens/s, TTFT and inter-token latency per concurrency level.
+    Bench(bench::Args),
     /// Generate text for one prompt, streaming tokens to stdout.
     Generate(generate::Args),
     /// Measure prefill and decode speed on this machine, beside llama.cpp when available.
@@ -46,6 +50,7 @@ fn main() -> anyhow::Result<()> {
         Command::Prefill(args) => serve::prefill(args),
         Command::Decode(args) => serve::decode(args),
         Command::Unified(args) => serve::unified(args),
+        Command::Bench(args) => bench::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
     }
