@@ -115,3 +115,42 @@ fn context_overflow_is_a_clear_error() {
         "stderr: {stderr}"
     );
 }
+
+#[test]
+fn every_serving_role_explains_its_flags_and_defaults() {
+    for role in ["serve", "router", "prefill", "decode", "unified"] {
+        let output = airlock().args([role, "--help"]).output().expect("runs");
+        assert!(output.status.success(), "{role} --help");
+        let help = String::from_utf8_lossy(&output.stdout);
+        for flag in [
+            "--host",
+            "--port",
+            "--model",
+            "--api-keys",
+            "--kv-tokens",
+            "--context-length",
+            "--page-size",
+            "--threads",
+            "--config",
+            "AIRLOCK_KV_TOKENS",
+            "[default: 16]",
+        ] {
+            assert!(help.contains(flag), "{role} --help lacks {flag}:\n{help}");
+        }
+    }
+}
+
+#[test]
+fn a_config_file_with_a_bad_value_is_refused_naming_the_flag() {
+    let dir = std::env::temp_dir().join(format!("airlock-cli-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("airlock.toml");
+    std::fs::write(&path, "page_size = 0\n").expect("write");
+    let output = airlock()
+        .args(["serve", "--config", &path.display().to_string()])
+        .output()
+        .expect("runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--page-size"), "{stderr}");
+}

@@ -198,3 +198,49 @@ fn the_openai_python_client_talks_to_serve() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
+    let (decode, decode_addr) = start_worker("decode", "0");
+    let (_prefill, prefill_addr) = start_worker("prefill", "0");
+    let (_router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &prefill_addr,
+            "--decode",
+            &decode_addr,
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    runtime().block_on(async move {
+        use futures_util::StreamExt;
+        let response = crate::harness::client()
+            .post(format!("{url}/v1/completions"))
+            .json(&serde_json::json!({
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": 1500,
+                "temperature": 0, "ignore_eos": true, "stream": true,
+            }))
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(response.status().as_u16(), 200);
+        let mut body = response.bytes_stream();
+        let mut text =
+            String::from_utf8_lossy(&body.next().await.expect("a chunk").expect("ok")).into_owned();
+        drop(decode);
+        while let Some(chunk) = body.next().await {
+            match chunk {
+                Ok(bytes) => text.push_str(&String::from_utf8_lossy(&bytes)),
+                Err(_) => break,
+            }
+        }
+        assert!(text.contains("event: error"), "{text}");
+        assert!(!text.contains("[DONE]"), "{text}");
+        assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
+    });
+}
