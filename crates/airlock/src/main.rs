@@ -5,6 +5,7 @@ mod bench_model;
 mod config_file;
 mod generate;
 mod model_path;
+mod preflight;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +36,9 @@ enum Command {
     /// Load-test OpenAI-compatible endpoints (ours and llama.cpp's, started in turn, or any
     /// URL): output tokens/s, TTFT and inter-token latency per concurrency level.
     Bench(bench::Args),
+    /// Check a deployment's KV capacity against its context length, node by node (from a
+    /// TOML file, or a running router's /health); exits non-zero if any node fails.
+    Preflight(preflight::Args),
     /// Generate text for one prompt, streaming tokens to stdout.
     Generate(generate::Args),
     /// Measure prefill and decode speed on this machine, beside llama.cpp when available.
@@ -42,6 +46,17 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    let result = run();
+    if let Err(error) = &result {
+        if let Some(refused) = error.downcast_ref::<serve::RefusedToStart>() {
+            eprintln!("airlock: {refused}");
+            std::process::exit(serve::EXIT_CONFIG);
+        }
+    }
+    result
+}
+
+fn run() -> anyhow::Result<()> {
     let args = config_file::apply(std::env::args_os().collect())?;
     let cli = Cli::parse_from(args);
     match cli.command {
@@ -51,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         Command::Decode(args) => serve::decode(args),
         Command::Unified(args) => serve::unified(args),
         Command::Bench(args) => bench::run(args),
+        Command::Preflight(args) => preflight::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),
     }

@@ -4,6 +4,7 @@
 
 use crate::model_path::ModelArgs;
 use anyhow::{bail, Context, Result};
+use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use transfer::transport::Tcp;
-use transfer::Role;
+use transfer::{ClusterSecret, Expectation, Role};
 use worker::{start_worker, Listener, Worker, WorkerConfig};
 
 /// The id clients name in `"model"` unless `--model-name` says otherwise.
@@ -35,11 +36,27 @@ pub struct CommonArgs {
     #[arg(long, env = "AIRLOCK_API_KEYS")]
     pub api_keys: Option<PathBuf>,
     /// KV pool capacity per worker, in tokens [default: the context length]
-    #[arg(long, env = "AIRLOCK_KV_TOKENS")]
-    pub kv_tokens: Option<usize>,
-    /// Most tokens (prompt + max_tokens) per request [default: the model's, 8192 here]
-    #[arg(long, env = "AIRLOCK_CONTEXT_LENGTH")]
-    pub context_length: Option<usize>,
+    #[arg(long, env = "AIRLOCK_KV_TOKENS", conflicts_with_all = ["kv_memory", "kv_memory_fraction"])]
+    pub kv_tokens: Option<u64>,
+    /// KV pool memory per worker, e.g. 512MiB or 2GiB (capacity in tokens follows from the
+    /// model's layers, KV heads and head size, and the page size)
+    #[arg(long, env = "AIRLOCK_KV_MEMORY", value_parser = parse_size,
+          conflicts_with = "kv_memory_fraction")]
+    pub kv_memory: Option<u64>,
+    /// KV pool memory per worker as a fraction of the machine's available memory, minus the
+    /// weights and working buffers (e.g. 0.5)
+    #[arg(long, env = "AIRLOCK_KV_MEMORY_FRACTION")]
+    pub kv_memory_fraction: Option<f64>,
+    /// Most tokens (prompt + max_tokens) per request, or "auto" for as many as the pool holds
+    /// (up to the model's); a worker whose pool cannot hold one request of this length
+    /// refuses to start [default: the model's, 8192 here]
+    #[arg(long, env = "AIRLOCK_CONTEXT_LENGTH", value_parser = parse_context)]
+    pub context_length: Option<ContextSetting>,
+    /// File holding the cluster secret every router and worker shares; links authenticate
+    /// with it (HMAC challenge-response). Required by router, prefill, decode and
+    /// `unified --worker-only`; serve and unified make a random one when it is not given
+    #[arg(long, env = "AIRLOCK_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
     /// KV page size in tokens
     #[arg(long, env = "AIRLOCK_PAGE_SIZE", default_value_t = 16,
           value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -121,13 +138,37 @@ pub struct UnifiedArgs {
     worker_only: bool,
 }
 
-/// Everything loaded from the model file once: the weights are loaded per worker.
+/// Everything read from the model file once: the weights are loaded per worker.
 struct ModelFile {
     path: PathBuf,
     tokenizer: Tokenizer,
     chat_template: Option<ChatTemplate>,
-    context_length: usize,
+    shape: ModelShape,
+    weights_hash: u64,
 }
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    config::parse_bytes(text)
+}
+
+fn parse_context(text: &str) -> Result<ContextSetting, String> {
+    if text == "auto" {
+        return Ok(ContextSetting::Auto);
+    }
+    match text.parse::<u64>() {
+        Ok(0) | Err(_) => Err(format!("'{text}' is not a positive number or \"auto\"")),
+        Ok(n) => Ok(ContextSetting::Tokens(n)),
+    }
+}
+
+/// The refusal to start of a worker whose pool cannot hold one full-context request (I8);
+/// `main` turns it into exit code 78 (EX_CONFIG).
+#[derive(Debug, thiserror::Error)]
+#[error("worker refuses to start: {0}")]
+pub struct RefusedToStart(pub CapacityError);
+
+/// Exit code of a worker that refuses to start on its configuration (sysexits EX_CONFIG).
+pub const EXIT_CONFIG: i32 = 78;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -156,24 +197,117 @@ fn read_model_file(args: &CommonArgs) -> Result<ModelFile> {
         Ok(_) => Some(ChatTemplate::from_gguf(&file)?),
         Err(_) => None,
     };
-    let model_context = model::LlamaConfig::from_gguf(&file)?.context_length;
-    let context_length = match args.context_length {
-        None => model_context,
-        Some(0) => bail!("--context-length must be at least 1"),
-        Some(n) if n > model_context => {
-            bail!("--context-length {n} is over the model's own context length of {model_context}")
+    let config = model::LlamaConfig::from_gguf(&file)?;
+    if let Some(ContextSetting::Tokens(n)) = args.context_length {
+        if n > config.context_length as u64 {
+            bail!(
+                "--context-length {n} is over the model's own context length of {}",
+                config.context_length
+            );
         }
-        Some(n) => n,
-    };
+    }
     Ok(ModelFile {
         path,
         tokenizer,
         chat_template,
-        context_length,
+        shape: ModelShape {
+            layer_count: config.layer_count as u64,
+            kv_head_count: config.kv_head_count as u64,
+            head_dim: config.head_dim as u64,
+            context_length_max: config.context_length as u64,
+        },
+        weights_hash: xxhash_rust::xxh3::xxh3_64(&bytes),
     })
 }
 
-/// Loads the weights and builds a worker's pool.
+impl ModelFile {
+    /// The router's view of the workers it may use (I8).
+    fn expectation(&self, args: &CommonArgs, context_length: Option<u64>) -> Expectation {
+        Expectation {
+            model_id: args.model_name.clone(),
+            weights_hash: self.weights_hash,
+            kv_dtype: config::KV_DTYPE.into(),
+            page_size_tokens: args.page_size.into(),
+            layer_count: self.shape.layer_count as u32,
+            kv_head_count: self.shape.kv_head_count as u32,
+            head_dim: self.shape.head_dim as u32,
+            context_length: context_length.map(|n| n as u32),
+        }
+    }
+
+    /// A worker's pool and context length from its flags, or the refusal to start (I8).
+    fn plan(&self, args: &CommonArgs, weight_bytes: u64) -> Result<(PoolPlan, u64)> {
+        let page_size = u64::from(args.page_size);
+        let context = args
+            .context_length
+            .unwrap_or(ContextSetting::Tokens(self.shape.context_length_max));
+        let budget = if let Some(bytes) = args.kv_memory {
+            KvBudget::Bytes(bytes)
+        } else if let Some(fraction) = args.kv_memory_fraction {
+            KvBudget::Fraction {
+                fraction,
+                available_bytes: available_memory()?,
+                weight_bytes,
+                working_bytes: 128 << 20,
+            }
+        } else {
+            let tokens = args.kv_tokens.unwrap_or(match context {
+                ContextSetting::Tokens(n) => n,
+                ContextSetting::Auto => self.shape.context_length_max,
+            });
+            KvBudget::Tokens(tokens)
+        };
+        let plan = config::plan_pool(&self.shape, page_size, budget)?;
+        let context_length =
+            config::resolve_context(&plan, &self.shape, context).map_err(RefusedToStart)?;
+        if context == ContextSetting::Auto {
+            tracing::info!(
+                context_length,
+                capacity_tokens = plan.capacity_tokens,
+                "--context-length auto: the context is what the pool holds"
+            );
+        }
+        Ok((plan, context_length))
+    }
+}
+
+/// `MemAvailable` from /proc/meminfo.
+fn available_memory() -> Result<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .context("reading /proc/meminfo for --kv-memory-fraction; give --kv-memory instead")?;
+    let kib = meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })
+        .context("no MemAvailable in /proc/meminfo; give --kv-memory instead")?;
+    Ok(kib << 10)
+}
+
+/// The cluster secret: from the file, or (for single-process deployments only) random.
+fn cluster_secret(args: &CommonArgs, single_process: bool) -> Result<ClusterSecret> {
+    match &args.cluster_secret_file {
+        Some(path) => {
+            let bytes = std::fs::read(path)
+                .with_context(|| format!("reading the cluster secret {}", path.display()))?;
+            let trimmed = bytes.trim_ascii().to_vec();
+            ClusterSecret::new(trimmed).map_err(anyhow::Error::msg)
+        }
+        None if single_process => Ok(ClusterSecret::random()),
+        None => bail!(
+            "give every node of the cluster the same --cluster-secret-file (create one with \
+             `head -c 32 /dev/urandom | base64 > cluster.secret`); links between processes \
+             authenticate with it"
+        ),
+    }
+}
+
+/// Loads the weights and builds a worker's pool, after the start-up check (I8).
 fn load_worker(
     args: &CommonArgs,
     file: &ModelFile,
@@ -184,14 +318,19 @@ fn load_worker(
     let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
         .with_context(|| format!("loading {}", file.path.display()))?;
     let model = loaded.model;
+    let (plan, context_length) = file.plan(args, model.weight_bytes() as u64)?;
     let layout = model.config().kv_layout(args.page_size as usize);
-    let kv_tokens = args.kv_tokens.unwrap_or(file.context_length);
     let pool = PagePool::new(PoolConfig {
         layout,
-        size: PoolSize::Tokens(kv_tokens),
+        size: PoolSize::Tokens(plan.capacity_tokens as usize),
         scrub_on_free: args.scrub_on_free,
     })
-    .context("creating the KV pool (see --kv-tokens)")?;
+    .context("creating the KV pool")?;
+    assert_eq!(
+        pool.capacity_tokens() as u64,
+        plan.capacity_tokens,
+        "the pool has the capacity the plan computed"
+    );
     if layout.page_bytes() + 64 > transfer::MAX_FRAME_BYTES {
         bail!(
             "--page-size {} makes pages too large to transfer",
@@ -203,14 +342,17 @@ fn load_worker(
         seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
         threads = model.thread_count(),
         kv_tokens = pool.capacity_tokens(),
+        kv_pages = pool.page_count(),
         kv_mib = pool.bytes() >> 20,
+        context_length,
         "worker loaded"
     );
     let config = WorkerConfig {
         role,
         name,
         model_id: args.model_name.clone(),
-        context_length: file.context_length,
+        weights_hash: file.weights_hash,
+        context_length: context_length as usize,
         queue_max: args.queue_max,
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         transfer_timeout: Duration::from_millis(args.transfer_timeout_ms),
@@ -232,6 +374,7 @@ async fn spawn_worker(
     role: Role,
     name: String,
     listener: TcpListener,
+    secret: &ClusterSecret,
 ) -> Result<Worker> {
     let (config, model, tokenizer, pool) = load_worker(args, file, role, name)?;
     let worker = start_worker(
@@ -241,6 +384,7 @@ async fn spawn_worker(
         pool,
         Listener::Tcp(listener),
         Arc::new(Tcp),
+        secret.clone(),
     )?;
     Ok(worker)
 }
@@ -262,17 +406,22 @@ fn tenants(args: &CommonArgs) -> Result<Tenants> {
     }
 }
 
+/// Runs the HTTP front. `context_length` is the workers' (known when they run in this
+/// process); `None` accepts any and admits up to the smallest a linked worker reports.
 async fn run_router(
     args: &CommonArgs,
     file: ModelFile,
     workers: Vec<(String, Role)>,
     port: u16,
+    context_length: Option<u64>,
+    secret: ClusterSecret,
 ) -> Result<()> {
     let tenants = tenants(args)?;
     let metrics = Arc::new(Metrics::new());
     let cluster = Cluster::connect(
         workers,
-        args.model_name.clone(),
+        file.expectation(args, context_length),
+        secret,
         Arc::new(Tcp),
         metrics.clone(),
     );
@@ -280,7 +429,7 @@ async fn run_router(
     let address = listener.local_addr()?;
     let config = RouterConfig {
         model_id: args.model_name.clone(),
-        context_length: file.context_length,
+        context_length: context_length.unwrap_or(file.shape.context_length_max) as usize,
         body_bytes_max: args.body_bytes_max,
         default_max_tokens: args.default_max_tokens,
         in_flight_max: args.in_flight_max,
@@ -327,17 +476,19 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     init_logging();
     let args = args.common;
     let file = read_model_file(&args)?;
+    let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {
         let decode_listener = bind("127.0.0.1", 0).await?;
         let prefill_listener = bind("127.0.0.1", 0).await?;
         let decode_addr = decode_listener.local_addr()?.to_string();
         let prefill_addr = prefill_listener.local_addr()?.to_string();
-        let _decode = spawn_worker(
+        let decode = spawn_worker(
             &args,
             &file,
             Role::Decode,
             "decode-0".into(),
             decode_listener,
+            &secret,
         )
         .await?;
         let _prefill = spawn_worker(
@@ -346,10 +497,13 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             Role::Prefill,
             "prefill-0".into(),
             prefill_listener,
+            &secret,
         )
         .await?;
+        let context_length = u64::from(decode.info.context_length);
         let workers = vec![(prefill_addr, Role::Prefill), (decode_addr, Role::Decode)];
-        run_router(&args, file, workers, args.port.unwrap_or(8080)).await
+        let port = args.port.unwrap_or(8080);
+        run_router(&args, file, workers, port, Some(context_length), secret).await
     })
 }
 
@@ -372,7 +526,21 @@ pub fn router(args: RouterArgs) -> Result<()> {
     }
     let file = read_model_file(&args.common)?;
     let port = args.common.port.unwrap_or(8080);
-    runtime()?.block_on(run_router(&args.common, file, workers, port))
+    let secret = cluster_secret(&args.common, false)?;
+    // An explicit context length must match every worker's; otherwise the router admits up
+    // to the smallest one a linked worker reports.
+    let context_length = match args.common.context_length {
+        Some(ContextSetting::Tokens(n)) => Some(n),
+        Some(ContextSetting::Auto) | None => None,
+    };
+    runtime()?.block_on(run_router(
+        &args.common,
+        file,
+        workers,
+        port,
+        context_length,
+        secret,
+    ))
 }
 
 fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
@@ -381,13 +549,14 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
     let file = read_model_file(&common)?;
     let port = common.port.unwrap_or(default_port);
     let role_name = router::cluster::role_name(role);
+    let secret = cluster_secret(&common, false)?;
     runtime()?.block_on(async {
         let listener = bind(&common.host, port).await?;
         let address = listener.local_addr()?;
         let name = args
             .name
             .unwrap_or_else(|| format!("{role_name}@{address}"));
-        let _worker = spawn_worker(&common, &file, role, name, listener).await?;
+        let _worker = spawn_worker(&common, &file, role, name, listener, &secret).await?;
         println!("Airlock {role_name} worker listening on {address}");
         let _ = tokio::signal::ctrl_c().await;
         Ok(())
@@ -415,17 +584,22 @@ pub fn unified(args: UnifiedArgs) -> Result<()> {
     init_logging();
     let args = args.common;
     let file = read_model_file(&args)?;
+    let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {
         let listener = bind("127.0.0.1", 0).await?;
         let addr = listener.local_addr()?.to_string();
-        let _worker =
-            spawn_worker(&args, &file, Role::Unified, "unified-0".into(), listener).await?;
-        run_router(
+        let worker = spawn_worker(
             &args,
-            file,
-            vec![(addr, Role::Unified)],
-            args.port.unwrap_or(8080),
+            &file,
+            Role::Unified,
+            "unified-0".into(),
+            listener,
+            &secret,
         )
-        .await
+        .await?;
+        let context_length = Some(u64::from(worker.info.context_length));
+        let workers = vec![(addr, Role::Unified)];
+        let port = args.port.unwrap_or(8080);
+        run_router(&args, file, workers, port, context_length, secret).await
     })
 }

@@ -10,11 +10,15 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, Transport};
-use transfer::{Failure, Frame, PeerRole, Role, WorkerInfo};
+use transfer::{
+    connect_handshake, ClusterSecret, Expectation, Failure, Frame, HandshakeError, PeerRole, Role,
+    WorkerInfo,
+};
 
 /// How long to wait before re-opening a broken link.
 const RECONNECT_DELAY: Duration = Duration::from_millis(250);
-const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long to wait before retrying a worker that was refused at the handshake.
+const REFUSED_DELAY: Duration = Duration::from_secs(2);
 
 pub struct WorkerClient {
     pub addr: String,
@@ -29,6 +33,12 @@ struct ClientState {
     /// Where each request's frames go.
     requests: HashMap<RequestId, UnboundedSender<Frame>>,
     stats: Option<Frame>,
+    refused: Option<String>,
+}
+
+enum LinkFailure {
+    Unreachable(std::io::Error),
+    Refused(HandshakeError),
 }
 
 /// All workers, and the tasks that keep their links open.
@@ -46,10 +56,13 @@ impl Drop for Cluster {
 }
 
 impl Cluster {
-    /// Starts a link-keeping task per worker. `model_id` is what every worker must serve.
+    /// Starts a link-keeping task per worker. Every worker must prove it holds `secret` and
+    /// match `expect` (model, weights, KV layout, context), or it is refused, counted in
+    /// `airlock_workers_refused_total`, and never routed to (I8, I11).
     pub fn connect(
         workers: Vec<(String, Role)>,
-        model_id: String,
+        expect: Expectation,
+        secret: ClusterSecret,
         transport: Arc<dyn Transport>,
         metrics: Arc<Metrics>,
     ) -> Cluster {
@@ -68,11 +81,14 @@ impl Cluster {
             .map(|client| {
                 let client = client.clone();
                 let transport = transport.clone();
-                let model_id = model_id.clone();
+                let expect = expect.clone();
+                let secret = secret.clone();
                 let metrics = metrics.clone();
-                tokio::spawn(
-                    async move { client.keep_linked(&*transport, &model_id, &metrics).await },
-                )
+                tokio::spawn(async move {
+                    client
+                        .keep_linked(&*transport, &expect, &secret, &metrics)
+                        .await
+                })
             })
             .collect();
         Cluster { clients, tasks }
@@ -181,6 +197,7 @@ impl WorkerClient {
             queue_depth: 0,
             ownership_failures: 0,
             frames_rejected: 0,
+            auth_failures: 0,
         };
         if let Some(Frame::PoolStats {
             pages_free,
@@ -189,8 +206,10 @@ impl WorkerClient {
             queue_depth,
             ownership_failures,
             frames_rejected,
+            auth_failures,
         }) = state.stats
         {
+            gauges.auth_failures = auth_failures;
             gauges.pages_free = pages_free;
             gauges.pages_total = pages_total;
             gauges.pages_quarantined = pages_quarantined;
@@ -201,48 +220,66 @@ impl WorkerClient {
         gauges
     }
 
-    async fn keep_linked(&self, transport: &dyn Transport, model_id: &str, metrics: &Metrics) {
+    async fn keep_linked(
+        &self,
+        transport: &dyn Transport,
+        expect: &Expectation,
+        secret: &ClusterSecret,
+        metrics: &Metrics,
+    ) {
         loop {
-            match self.link_once(transport, model_id).await {
+            match self.link_once(transport, expect, secret).await {
                 Ok(()) => tracing::warn!(worker = %self.addr, "worker link closed; reconnecting"),
-                Err(reason) => {
-                    tracing::debug!(worker = %self.addr, %reason, "worker not linked");
-                    if reason.starts_with("refused") {
-                        metrics.inc("airlock_workers_refused_total", &[("reason", "mismatch")]);
-                        tracing::error!(worker = %self.addr, %reason, "worker refused");
-                        tokio::time::sleep(Duration::from_secs(5)).await;
-                    }
+                Err(LinkFailure::Unreachable(error)) => {
+                    tracing::debug!(worker = %self.addr, %error, "worker not reachable");
+                }
+                Err(LinkFailure::Refused(error)) => {
+                    metrics.inc(
+                        "airlock_workers_refused_total",
+                        &[("reason", error.reason())],
+                    );
+                    tracing::error!(worker = %self.addr, %error, "worker refused");
+                    self.lock().refused = Some(error.to_string());
+                    tokio::time::sleep(REFUSED_DELAY).await;
                 }
             }
             tokio::time::sleep(RECONNECT_DELAY).await;
         }
     }
 
+    /// Why a worker is refused, if it was at its last handshake.
+    pub fn refused(&self) -> Option<String> {
+        self.lock().refused.clone()
+    }
+
     /// Opens the link, checks the worker, then relays frames until the link closes.
-    async fn link_once(&self, transport: &dyn Transport, model_id: &str) -> Result<(), String> {
-        let stream = transport
+    async fn link_once(
+        &self,
+        transport: &dyn Transport,
+        expect: &Expectation,
+        secret: &ClusterSecret,
+    ) -> Result<(), LinkFailure> {
+        let mut stream = transport
             .connect(&self.addr)
             .await
-            .map_err(|e| e.to_string())?;
-        let mut link = spawn_link(stream, format!("router-to-{}", self.addr));
-        let _ = link.tx.send(Frame::Connect {
-            peer: PeerRole::Router,
-        });
-        let info = match tokio::time::timeout(HELLO_TIMEOUT, link.rx.recv()).await {
-            Ok(Some(Frame::Hello(info))) => info,
-            _ => return Err("no hello".into()),
-        };
-        if info.role != self.role || info.model_id != model_id {
-            return Err(format!(
-                "refused: worker {} is a {:?} worker serving '{}'; expected {:?} serving '{}'",
-                self.addr, info.role, info.model_id, self.role, model_id
-            ));
+            .map_err(LinkFailure::Unreachable)?;
+        let info = connect_handshake(&mut stream, PeerRole::Router, secret, expect)
+            .await
+            .map_err(LinkFailure::Refused)?;
+        if info.role != self.role {
+            return Err(LinkFailure::Refused(HandshakeError::Mismatch {
+                field: "role",
+                found: role_name(info.role).into(),
+                expected: role_name(self.role).into(),
+            }));
         }
+        let mut link = spawn_link(stream, format!("router-to-{}", self.addr));
         tracing::info!(worker = %self.addr, name = %info.name, capacity_tokens = info.capacity_tokens, "worker linked");
         {
             let mut state = self.lock();
             state.link = Some(link.tx.clone());
             state.info = Some(info);
+            state.refused = None;
         }
         while let Some(frame) = link.rx.recv().await {
             let request = match &frame {
@@ -271,6 +308,7 @@ impl WorkerClient {
         // Every request still on this worker hears that it is gone.
         let mut state = self.lock();
         state.link = None;
+        state.info = None;
         for (request, tx) in state.requests.drain() {
             let _ = tx.send(Frame::Failed {
                 request,

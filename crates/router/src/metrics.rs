@@ -17,7 +17,7 @@ const COUNTERS: &[(&str, &str)] = &[
     ),
     (
         "airlock_workers_refused_total",
-        "Worker links refused at the handshake, by reason.",
+        "Workers the router refused at the handshake, by reason (auth, a mismatched field).",
     ),
 ];
 
@@ -58,6 +58,7 @@ pub struct PoolGauges {
     pub queue_depth: u32,
     pub ownership_failures: u64,
     pub frames_rejected: u64,
+    pub auth_failures: u64,
 }
 
 impl Default for Metrics {
@@ -120,7 +121,7 @@ impl Metrics {
             }
         }
         drop(counters);
-        let gauges: [GaugeRow; 6] = [
+        let gauges: [GaugeRow; 7] = [
             ("airlock_kv_pages_free", "Free KV pages per worker.", |p| {
                 f64::from(p.pages_free)
             }),
@@ -148,6 +149,11 @@ impl Metrics {
                 "airlock_transfer_frames_rejected_total",
                 "Transfer frames a decode worker refused (unknown, mismatched, corrupt).",
                 |p| p.frames_rejected as f64,
+            ),
+            (
+                "airlock_cluster_auth_failures_total",
+                "Links a worker refused because the peer failed cluster authentication (I11).",
+                |p| p.auth_failures as f64,
             ),
         ];
         for (name, help, value) in gauges {

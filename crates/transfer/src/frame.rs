@@ -52,9 +52,17 @@ pub struct WorkerInfo {
     pub role: Role,
     pub name: String,
     pub model_id: String,
+    /// xxh3-64 of the model file: same id, different weights is still a mismatch.
+    pub weights_hash: u64,
+    pub kv_dtype: String,
+    pub layer_count: u32,
+    pub kv_head_count: u32,
+    pub head_dim: u32,
     pub page_size_tokens: u32,
     pub capacity_tokens: u64,
     pub context_length: u32,
+    pub weight_bytes: u64,
+    pub kv_bytes: u64,
     /// Random per process start: frames meant for an earlier incarnation are refused.
     pub epoch: u64,
 }
@@ -157,11 +165,21 @@ pub struct TransferDone {
 /// One message on a link.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Frame {
-    /// First frame of every link, from the side that connected.
+    /// First frame of every link, from the side that connected, with its challenge.
     Connect {
         peer: PeerRole,
+        nonce: [u8; 32],
     },
-    /// The worker's answer to `Connect`.
+    /// The worker's proof that it holds the cluster secret, and its own challenge.
+    Challenge {
+        nonce: [u8; 32],
+        proof: [u8; 32],
+    },
+    /// The connecting side's proof.
+    Proof {
+        proof: [u8; 32],
+    },
+    /// The worker describes itself once the peer is authenticated.
     Hello(WorkerInfo),
     // Router -> worker.
     Submit(Submit),
@@ -202,6 +220,8 @@ pub enum Frame {
         ownership_failures: u64,
         /// Transfer frames refused (unknown transfer, header, length or checksum).
         frames_rejected: u64,
+        /// Links refused because the peer failed cluster authentication.
+        auth_failures: u64,
     },
     // Prefill -> decode.
     Page {
@@ -310,19 +330,36 @@ impl Frame {
             Frame::Ack { .. } => 14,
             Frame::Nack { .. } => 15,
             Frame::AbortAck { .. } => 16,
+            Frame::Challenge { .. } => 17,
+            Frame::Proof { .. } => 18,
         }
     }
 
     fn encode_fields(&self, w: &mut Writer) {
         match self {
-            Frame::Connect { peer } => w.u8(*peer as u8),
+            Frame::Connect { peer, nonce } => {
+                w.u8(*peer as u8);
+                w.bytes(nonce);
+            }
+            Frame::Challenge { nonce, proof } => {
+                w.bytes(nonce);
+                w.bytes(proof);
+            }
+            Frame::Proof { proof } => w.bytes(proof),
             Frame::Hello(info) => {
                 w.u8(info.role as u8);
                 w.string(&info.name);
                 w.string(&info.model_id);
+                w.u64(info.weights_hash);
+                w.string(&info.kv_dtype);
+                w.u32(info.layer_count);
+                w.u32(info.kv_head_count);
+                w.u32(info.head_dim);
                 w.u32(info.page_size_tokens);
                 w.u64(info.capacity_tokens);
                 w.u32(info.context_length);
+                w.u64(info.weight_bytes);
+                w.u64(info.kv_bytes);
                 w.u64(info.epoch);
             }
             Frame::Submit(submit) => encode_submit(w, submit),
@@ -365,6 +402,7 @@ impl Frame {
                 queue_depth,
                 ownership_failures,
                 frames_rejected,
+                auth_failures,
             } => {
                 w.u32(*pages_free);
                 w.u32(*pages_total);
@@ -372,6 +410,7 @@ impl Frame {
                 w.u32(*queue_depth);
                 w.u64(*ownership_failures);
                 w.u64(*frames_rejected);
+                w.u64(*auth_failures);
             }
             Frame::Page {
                 transfer,
@@ -411,14 +450,27 @@ impl Frame {
         let frame = match kind {
             1 => Frame::Connect {
                 peer: peer_role(r.u8()?)?,
+                nonce: r.array()?,
             },
+            17 => Frame::Challenge {
+                nonce: r.array()?,
+                proof: r.array()?,
+            },
+            18 => Frame::Proof { proof: r.array()? },
             2 => Frame::Hello(WorkerInfo {
                 role: role(r.u8()?)?,
                 name: r.string("name")?,
                 model_id: r.string("model_id")?,
+                weights_hash: r.u64()?,
+                kv_dtype: r.string("kv_dtype")?,
+                layer_count: r.u32()?,
+                kv_head_count: r.u32()?,
+                head_dim: r.u32()?,
                 page_size_tokens: r.u32()?,
                 capacity_tokens: r.u64()?,
                 context_length: r.u32()?,
+                weight_bytes: r.u64()?,
+                kv_bytes: r.u64()?,
                 epoch: r.u64()?,
             }),
             3 => Frame::Submit(decode_submit(r)?),
@@ -454,6 +506,7 @@ impl Frame {
                 queue_depth: r.u32()?,
                 ownership_failures: r.u64()?,
                 frames_rejected: r.u64()?,
+                auth_failures: r.u64()?,
             },
             11 => {
                 let transfer = TransferId(r.u64()?);

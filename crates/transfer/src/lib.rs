@@ -9,17 +9,21 @@
 //! What this crate is not: it owns no pages and runs no model. The workers apply its verdicts
 //! to their pools; it never decides when a page is freed.
 
+pub mod auth;
 mod checksum;
 mod frame;
+pub mod handshake;
 mod inbound;
 pub mod transport;
 
+pub use auth::ClusterSecret;
 pub use checksum::transfer_checksum;
 pub use frame::{
     DecodeError, Failure, Finish, Frame, PeerRole, Plan, Reject, Role, Sampling, Submit,
     TransferDone, TransferId, WorkerInfo, MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS,
     MAX_STRING_BYTES, PROTOCOL_VERSION,
 };
+pub use handshake::{accept_handshake, connect_handshake, Expectation, HandshakeError};
 pub use inbound::Inbound;
 
 #[cfg(test)]

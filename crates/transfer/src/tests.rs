@@ -1,7 +1,27 @@
 use crate::transport::{read_frame, spawn_link, InProcess, Tcp, Transport};
 use crate::*;
+use crate::{accept_handshake, connect_handshake, ClusterSecret, Expectation, HandshakeError};
 use kv::{RequestId, TenantId};
 use proptest::prelude::*;
+
+pub(crate) fn worker_info() -> WorkerInfo {
+    WorkerInfo {
+        role: Role::Decode,
+        name: "decode-0".into(),
+        model_id: "smollm2".into(),
+        weights_hash: 0x1234,
+        kv_dtype: "f16".into(),
+        layer_count: 30,
+        kv_head_count: 3,
+        head_dim: 64,
+        page_size_tokens: 16,
+        capacity_tokens: 8192,
+        context_length: 8192,
+        weight_bytes: 100,
+        kv_bytes: 200,
+        epoch: 5,
+    }
+}
 
 fn sample_frames() -> Vec<Frame> {
     let submit = Submit {
@@ -33,16 +53,14 @@ fn sample_frames() -> Vec<Frame> {
     vec![
         Frame::Connect {
             peer: PeerRole::Prefill,
+            nonce: [7; 32],
         },
-        Frame::Hello(WorkerInfo {
-            role: Role::Decode,
-            name: "decode-0".into(),
-            model_id: "smollm2".into(),
-            page_size_tokens: 16,
-            capacity_tokens: 8192,
-            context_length: 8192,
-            epoch: 5,
-        }),
+        Frame::Challenge {
+            nonce: [1; 32],
+            proof: [2; 32],
+        },
+        Frame::Proof { proof: [3; 32] },
+        Frame::Hello(worker_info()),
         Frame::Submit(submit.clone()),
         Frame::Submit(Submit {
             plan: Plan::Decode {
@@ -87,6 +105,7 @@ fn sample_frames() -> Vec<Frame> {
             queue_depth: 3,
             ownership_failures: 4,
             frames_rejected: 5,
+            auth_failures: 6,
         },
         Frame::Page {
             transfer: TransferId(99),
@@ -151,9 +170,9 @@ fn another_protocol_version_is_refused() {
 
 #[test]
 fn huge_counts_are_refused_before_allocation() {
-    let mut body = Frame::Submit(match &sample_frames()[2] {
+    let mut body = Frame::Submit(match &sample_frames()[4] {
         Frame::Submit(submit) => submit.clone(),
-        _ => unreachable!("frame 2 is a Submit"),
+        _ => unreachable!("frame 4 is a Submit"),
     })
     .encode();
     // The prompt length sits after magic, version, kind, request and tenant.
@@ -176,7 +195,7 @@ proptest! {
 
     #[test]
     fn decode_never_panics_on_mutated_frames(
-        which in 0usize..18,
+        which in 0usize..20,
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
     ) {
         let frames = sample_frames();
@@ -355,4 +374,74 @@ async fn an_oversized_length_prefix_closes_the_link() {
     use tokio::io::AsyncWriteExt;
     ours.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
     assert_eq!(link.rx.recv().await, None);
+}
+
+async fn handshake_pair(
+    server_secret: ClusterSecret,
+    client_secret: ClusterSecret,
+    expect: Expectation,
+) -> (
+    Result<WorkerInfo, HandshakeError>,
+    Result<PeerRole, HandshakeError>,
+) {
+    let (client, server) = tokio::io::duplex(1 << 16);
+    let mut client: transport::BoxStream = Box::new(client);
+    let mut server: transport::BoxStream = Box::new(server);
+    let info = worker_info();
+    let server_task =
+        tokio::spawn(async move { accept_handshake(&mut server, &server_secret, &info).await });
+    let client_result =
+        connect_handshake(&mut client, PeerRole::Router, &client_secret, &expect).await;
+    drop(client);
+    (client_result, server_task.await.expect("server task"))
+}
+
+#[tokio::test]
+async fn peers_with_the_secret_handshake_and_others_are_refused() {
+    let secret = ClusterSecret::new(b"0123456789abcdef-secret".to_vec()).unwrap();
+    let expect = Expectation::of(&worker_info());
+    let (client, server) = handshake_pair(secret.clone(), secret.clone(), expect.clone()).await;
+    assert_eq!(client.expect("client side").name, "decode-0");
+    assert_eq!(server.expect("server side"), PeerRole::Router);
+
+    let wrong = ClusterSecret::new(b"another-secret-0123456".to_vec()).unwrap();
+    let (client, server) = handshake_pair(secret.clone(), wrong.clone(), expect.clone()).await;
+    assert!(matches!(client, Err(HandshakeError::Auth)), "{client:?}");
+    assert!(matches!(server, Err(HandshakeError::Auth)), "{server:?}");
+    let (client, _) = handshake_pair(wrong, secret.clone(), expect).await;
+    assert!(matches!(client, Err(HandshakeError::Auth)), "{client:?}");
+    assert!(ClusterSecret::new(b"short".to_vec()).is_err());
+}
+
+#[tokio::test]
+async fn every_handshake_field_must_match() {
+    let secret = ClusterSecret::random();
+    let good = Expectation::of(&worker_info());
+    type Change = Box<dyn Fn(&mut Expectation)>;
+    let variants: Vec<(&str, Change)> = vec![
+        ("model_id", Box::new(|e| e.model_id = "other".into())),
+        ("weights_hash", Box::new(|e| e.weights_hash ^= 1)),
+        ("kv_dtype", Box::new(|e| e.kv_dtype = "f32".into())),
+        ("page_size", Box::new(|e| e.page_size_tokens = 32)),
+        ("layers", Box::new(|e| e.layer_count = 31)),
+        ("kv_heads", Box::new(|e| e.kv_head_count = 4)),
+        ("head_dim", Box::new(|e| e.head_dim = 128)),
+        (
+            "context_length",
+            Box::new(|e| e.context_length = Some(4096)),
+        ),
+    ];
+    for (field, change) in variants {
+        let mut expect = good.clone();
+        change(&mut expect);
+        let (client, _) = handshake_pair(secret.clone(), secret.clone(), expect).await;
+        match client {
+            Err(HandshakeError::Mismatch { field: found, .. }) => assert_eq!(found, field),
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    let mut any_context = good;
+    any_context.context_length = None;
+    let (client, _) = handshake_pair(secret.clone(), secret, any_context).await;
+    assert!(client.is_ok());
 }

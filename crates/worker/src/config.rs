@@ -11,6 +11,8 @@ pub struct WorkerConfig {
     pub name: String,
     /// The model id clients name; a router refuses a worker that serves another.
     pub model_id: String,
+    /// xxh3-64 of the model file, exchanged at the handshake.
+    pub weights_hash: u64,
     /// Most tokens (prompt + max_tokens) one request may use.
     pub context_length: usize,
     /// Requests that may wait for pages at once; more get `Overloaded` (503).

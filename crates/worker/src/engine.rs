@@ -66,6 +66,8 @@ pub enum Event {
         submit: Submit,
         peer: LinkId,
     },
+    /// A peer failed cluster authentication (counted, exported).
+    AuthFailure,
     Shutdown,
 }
 
@@ -136,6 +138,7 @@ struct Stats {
     queue_depth: usize,
     ownership_failures: u64,
     frames_rejected: u64,
+    auth_failures: u64,
 }
 
 /// The worker's state; see the module docs.
@@ -152,6 +155,7 @@ pub struct Engine {
     next_seq: u64,
     ownership_failures: u64,
     frames_rejected: u64,
+    auth_failures: u64,
     last_stats: Option<Stats>,
 }
 
@@ -173,6 +177,7 @@ impl Engine {
             next_seq: 0,
             ownership_failures: 0,
             frames_rejected: 0,
+            auth_failures: 0,
             last_stats: None,
         }
     }
@@ -223,6 +228,7 @@ impl Engine {
             Event::LinkDown { link } => self.link_down(link),
             Event::Frame { link, frame } => self.frame(link, frame),
             Event::SubmitToPeer { link, submit, peer } => self.submit(link, submit, Some(peer)),
+            Event::AuthFailure => self.auth_failures += 1,
             Event::Shutdown => {}
         }
     }
@@ -970,6 +976,7 @@ impl Engine {
             queue_depth: self.queue.len(),
             ownership_failures: self.ownership_failures,
             frames_rejected: self.frames_rejected,
+            auth_failures: self.auth_failures,
         };
         if self.last_stats == Some(stats) {
             return;
@@ -982,6 +989,7 @@ impl Engine {
             queue_depth: stats.queue_depth as u32,
             ownership_failures: stats.ownership_failures,
             frames_rejected: stats.frames_rejected,
+            auth_failures: stats.auth_failures,
         };
         for entry in self.links.values() {
             if entry.kind == LinkKind::Router {
@@ -1028,6 +1036,8 @@ fn text_frame(request: RequestId, text: String) -> Frame {
 fn frame_name(frame: &Frame) -> &'static str {
     match frame {
         Frame::Connect { .. } => "Connect",
+        Frame::Challenge { .. } => "Challenge",
+        Frame::Proof { .. } => "Proof",
         Frame::Hello(_) => "Hello",
         Frame::Submit(_) => "Submit",
         Frame::Abort { .. } => "Abort",

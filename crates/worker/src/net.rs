@@ -15,7 +15,10 @@ use tokio::net::TcpListener;
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, BoxStream, Link, Transport};
-use transfer::{Failure, Frame, PeerRole, Plan, Role, WorkerInfo};
+use transfer::{
+    accept_handshake, connect_handshake, ClusterSecret, Expectation, Failure, Frame,
+    HandshakeError, PeerRole, Plan, Role, WorkerInfo,
+};
 
 /// Where a worker's links come from.
 pub enum Listener {
@@ -57,13 +60,18 @@ impl Drop for Worker {
     }
 }
 
-/// How long a new link may take to say who it is.
-const GREETING_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long opening a link to a decode worker may take, handshake included.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
 
 /// Starts the engine thread and the accept loop. `transport` opens links to decode workers
-/// (prefill role only). Must be called inside a tokio runtime.
+/// (prefill role only); every link in either direction must prove it holds `secret`. Must be
+/// called inside a tokio runtime.
+///
+/// The start-up capacity check (I8) is the caller's (`airlock` refuses to start a worker whose
+/// pool cannot hold one request of its context length); tests call this directly to run such
+/// a worker on purpose.
 pub fn start_worker(
     config: WorkerConfig,
     model: Model,
@@ -71,14 +79,23 @@ pub fn start_worker(
     pool: PagePool,
     mut listener: Listener,
     transport: Arc<dyn Transport>,
+    secret: ClusterSecret,
 ) -> io::Result<Worker> {
+    let shape = model.config();
     let info = WorkerInfo {
         role: config.role,
         name: config.name.clone(),
         model_id: config.model_id.clone(),
+        weights_hash: config.weights_hash,
+        kv_dtype: "f16".into(),
+        layer_count: shape.layer_count as u32,
+        kv_head_count: shape.kv_head_count as u32,
+        head_dim: shape.head_dim as u32,
         page_size_tokens: pool.layout().page_size_tokens as u32,
         capacity_tokens: pool.capacity_tokens() as u64,
         context_length: config.context_length as u32,
+        weight_bytes: model.weight_bytes() as u64,
+        kv_bytes: pool.bytes() as u64,
         epoch: random_epoch(),
     };
     let (events, events_rx) = mpsc::channel();
@@ -99,6 +116,7 @@ pub fn start_worker(
         info: info.clone(),
         events: events.clone(),
         transport,
+        secret,
         peers: AsyncMutex::new(HashMap::new()),
     });
     let accept = tokio::spawn(async move {
@@ -128,27 +146,30 @@ struct Shared {
     info: WorkerInfo,
     events: mpsc::Sender<Event>,
     transport: Arc<dyn Transport>,
+    secret: ClusterSecret,
     /// Open links to decode workers, by address.
     peers: AsyncMutex<HashMap<String, LinkId>>,
 }
 
 impl Shared {
     /// One incoming link, from greeting to close.
-    async fn serve_link(self: Arc<Self>, stream: BoxStream) {
-        let mut link = spawn_link(stream, format!("{}-in", self.info.name));
-        let kind = match tokio::time::timeout(GREETING_TIMEOUT, link.rx.recv()).await {
-            Ok(Some(Frame::Connect {
-                peer: PeerRole::Router,
-            })) => LinkKind::Router,
-            Ok(Some(Frame::Connect {
-                peer: PeerRole::Prefill,
-            })) if self.info.role == Role::Decode => LinkKind::PrefillPeer,
-            _ => {
-                tracing::warn!("link closed: no valid greeting");
+    async fn serve_link(self: Arc<Self>, mut stream: BoxStream) {
+        let kind = match accept_handshake(&mut stream, &self.secret, &self.info).await {
+            Ok(PeerRole::Router) => LinkKind::Router,
+            Ok(PeerRole::Prefill) if self.info.role == Role::Decode => LinkKind::PrefillPeer,
+            Ok(PeerRole::Prefill) => {
+                tracing::warn!("link refused: only decode workers take pages");
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%error, "link refused");
+                if matches!(error, HandshakeError::Auth) {
+                    let _ = self.events.send(Event::AuthFailure);
+                }
                 return;
             }
         };
-        let _ = link.tx.send(Frame::Hello(self.info.clone()));
+        let mut link = spawn_link(stream, format!("{}-in", self.info.name));
         let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
         let up = Event::LinkUp {
             link: id,
@@ -195,24 +216,9 @@ impl Shared {
         if let Some(&id) = peers.get(addr) {
             return Ok(id);
         }
-        let (link, info) = tokio::time::timeout(GREETING_TIMEOUT, self.connect_peer(addr))
+        let link = tokio::time::timeout(CONNECT_TIMEOUT, self.connect_peer(addr))
             .await
             .map_err(|_| format!("decode worker {addr} did not answer in time"))??;
-        let mine = &self.info;
-        if info.role != Role::Decode
-            || info.model_id != mine.model_id
-            || info.page_size_tokens != mine.page_size_tokens
-        {
-            return Err(format!(
-                "worker {addr} is not a matching decode worker (role {:?}, model {}, page size \
-                 {}; this prefill serves {} with page size {})",
-                info.role,
-                info.model_id,
-                info.page_size_tokens,
-                mine.model_id,
-                mine.page_size_tokens
-            ));
-        }
         let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
         let up = Event::LinkUp {
             link: id,
@@ -242,20 +248,25 @@ impl Shared {
         Ok(id)
     }
 
-    async fn connect_peer(&self, addr: &str) -> Result<(Link, WorkerInfo), String> {
-        let stream = self
+    /// Opens, authenticates and checks a link to a decode worker: same model, weights, KV
+    /// layout and context as this prefill (I8), or no pages go there.
+    async fn connect_peer(&self, addr: &str) -> Result<Link, String> {
+        let mut stream = self
             .transport
             .connect(addr)
             .await
             .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
-        let mut link = spawn_link(stream, format!("{}-to-{addr}", self.info.name));
-        let _ = link.tx.send(Frame::Connect {
-            peer: PeerRole::Prefill,
-        });
-        match link.rx.recv().await {
-            Some(Frame::Hello(info)) => Ok((link, info)),
-            _ => Err(format!("decode worker {addr} refused the link")),
+        let expect = Expectation::of(&self.info);
+        let info = connect_handshake(&mut stream, PeerRole::Prefill, &self.secret, &expect)
+            .await
+            .map_err(|error| format!("decode worker {addr} refused: {error}"))?;
+        if info.role != Role::Decode {
+            return Err(format!(
+                "worker {addr} is a {:?} worker, not decode",
+                info.role
+            ));
         }
+        Ok(spawn_link(stream, format!("{}-to-{addr}", self.info.name)))
     }
 }
 

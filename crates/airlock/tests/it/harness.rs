@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use transfer::transport::Tcp;
-use transfer::Role;
+use transfer::{ClusterSecret, Expectation, Role};
 use worker::{start_worker, Listener, Worker, WorkerConfig};
 
 pub const MODEL: &str = "SmolLM2-135M-Instruct";
@@ -44,6 +44,9 @@ pub struct Options {
     pub keys: Option<&'static str>,
     pub queue_timeout: Duration,
     pub page_size: usize,
+    pub secret: ClusterSecret,
+    /// More workers for the router to link, started by the test (e.g. impostors).
+    pub extra_workers: Vec<(String, Role)>,
 }
 
 impl Options {
@@ -55,6 +58,8 @@ impl Options {
             keys: None,
             queue_timeout: Duration::from_secs(30),
             page_size: 16,
+            secret: ClusterSecret::random(),
+            extra_workers: Vec::new(),
         }
     }
 }
@@ -62,6 +67,7 @@ impl Options {
 /// A running cluster; dropping it stops everything.
 pub struct TestServer {
     pub url: String,
+    pub worker_addresses: Vec<String>,
     server: JoinHandle<()>,
     _workers: Vec<Worker>,
 }
@@ -76,17 +82,20 @@ pub struct ModelFile {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub context_length: usize,
+    pub weights_hash: u64,
+    pub config: model::LlamaConfig,
 }
 
 pub fn model_file() -> ModelFile {
     let bytes = std::fs::read(model_path()).expect("model readable");
     let file = GgufFile::parse(&bytes).expect("model parses");
+    let config = model::LlamaConfig::from_gguf(&file).expect("config");
     ModelFile {
         tokenizer: Tokenizer::from_gguf(&file).expect("tokenizer"),
         chat_template: Some(ChatTemplate::from_gguf(&file).expect("chat template")),
-        context_length: model::LlamaConfig::from_gguf(&file)
-            .expect("config")
-            .context_length,
+        context_length: config.context_length,
+        weights_hash: xxhash_rust::xxh3::xxh3_64(&bytes),
+        config,
     }
 }
 
@@ -104,6 +113,17 @@ pub fn start(options: Options) -> TestServer {
     let roles: &[Role] = match options.mode {
         Mode::Disaggregated => &[Role::Prefill, Role::Decode],
         Mode::Unified => &[Role::Unified],
+    };
+    let secret = options.secret.clone();
+    let expect = Expectation {
+        model_id: MODEL.into(),
+        weights_hash: file.weights_hash,
+        kv_dtype: "f16".into(),
+        page_size_tokens: options.page_size as u32,
+        layer_count: file.config.layer_count as u32,
+        kv_head_count: file.config.kv_head_count as u32,
+        head_dim: file.config.head_dim as u32,
+        context_length: Some(context_length as u32),
     };
     runtime().block_on(async {
         let mut workers = Vec::new();
@@ -125,6 +145,7 @@ pub fn start(options: Options) -> TestServer {
                 role,
                 name: format!("{role:?}-{address}").to_lowercase(),
                 model_id: MODEL.into(),
+                weights_hash: file.weights_hash,
                 context_length,
                 queue_max: 64,
                 queue_timeout: options.queue_timeout,
@@ -139,17 +160,22 @@ pub fn start(options: Options) -> TestServer {
                 pool,
                 Listener::Tcp(listener),
                 Arc::new(Tcp),
+                secret.clone(),
             )
             .expect("worker starts");
             workers.push(worker);
             addresses.push((address, role));
         }
+        let worker_addresses = addresses.iter().map(|(a, _)| a.clone()).collect();
+        addresses.extend(options.extra_workers.iter().cloned());
         let metrics = Arc::new(Metrics::new());
-        let cluster = Cluster::connect(addresses, MODEL.into(), Arc::new(Tcp), metrics.clone());
-        assert!(
-            cluster.wait_ready(Duration::from_secs(30)).await,
-            "workers link"
-        );
+        let cluster = Cluster::connect(addresses, expect, secret, Arc::new(Tcp), metrics.clone());
+        if options.extra_workers.is_empty() {
+            assert!(
+                cluster.wait_ready(Duration::from_secs(30)).await,
+                "workers link"
+            );
+        }
         let tenants = match options.keys {
             Some(text) => Tenants::from_toml(text).expect("keys file"),
             None => Tenants::open(),
@@ -181,6 +207,7 @@ pub fn start(options: Options) -> TestServer {
         });
         TestServer {
             url,
+            worker_addresses,
             server,
             _workers: workers,
         }

@@ -3,6 +3,7 @@
 
 mod api;
 mod cli;
+mod cluster;
 mod harness;
 mod processes;
 mod serving;

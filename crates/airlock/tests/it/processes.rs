@@ -27,6 +27,7 @@ fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
     let mut child = airlock()
         .args(args)
         .args(["--model", &model_path(), "--threads", "1"])
+        .args(["--cluster-secret-file", &secret_file()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -53,10 +54,27 @@ fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
     (process, value)
 }
 
+/// One cluster secret for every process these tests start.
+fn secret_file() -> String {
+    let path = std::env::temp_dir().join(format!("airlock-test-secret-{}", std::process::id()));
+    if !path.exists() {
+        std::fs::write(&path, "test-cluster-secret-0123456789abcdef\n").expect("secret file");
+    }
+    path.display().to_string()
+}
+
 fn start_worker(role: &'static str, port: &str) -> (Process, String) {
     spawn(
         role,
-        &[role, "--port", port, "--kv-tokens", "2048"],
+        &[
+            role,
+            "--port",
+            port,
+            "--kv-tokens",
+            "2048",
+            "--context-length",
+            "2048",
+        ],
         "worker listening on ",
     )
 }
@@ -170,6 +188,8 @@ fn the_openai_python_client_talks_to_serve() {
             "0",
             "--kv-tokens",
             "2048",
+            "--context-length",
+            "auto",
             "--api-keys",
             &keys,
         ],

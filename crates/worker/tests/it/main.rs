@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 use transfer::transport::{spawn_link, Link, Tcp, Transport};
 use transfer::{
-    transfer_checksum, Failure, Frame, PeerRole, Plan, Reject, Role, Sampling, Submit,
-    TransferDone, TransferId,
+    connect_handshake, transfer_checksum, ClusterSecret, Expectation, Failure, Frame, PeerRole,
+    Plan, Reject, Role, Sampling, Submit, TransferDone, TransferId,
 };
 use worker::{start_worker, Listener, Worker, WorkerConfig};
 
@@ -34,9 +34,10 @@ fn load() -> (Model, Tokenizer) {
 }
 
 struct Decode {
-    _worker: Worker,
+    worker: Worker,
     address: String,
     page_bytes: usize,
+    secret: ClusterSecret,
 }
 
 async fn start_decode() -> Decode {
@@ -56,6 +57,7 @@ async fn start_decode() -> Decode {
         role: Role::Decode,
         name: "decode-test".into(),
         model_id: "m".into(),
+        weights_hash: 42,
         context_length: 2048,
         queue_max: 8,
         queue_timeout: Duration::from_secs(10),
@@ -63,6 +65,7 @@ async fn start_decode() -> Decode {
         step_tokens: 64,
         max_batch: 8,
     };
+    let secret = ClusterSecret::random();
     let worker = start_worker(
         config,
         model,
@@ -70,24 +73,25 @@ async fn start_decode() -> Decode {
         pool,
         Listener::Tcp(listener),
         Arc::new(Tcp),
+        secret.clone(),
     )
     .expect("worker starts");
     Decode {
-        _worker: worker,
+        worker,
         address,
         page_bytes: layout.page_bytes(),
+        secret,
     }
 }
 
-async fn connect(address: &str, peer: PeerRole) -> Link {
-    let stream = Tcp.connect(address).await.expect("connect");
-    let mut link = spawn_link(stream, "test".into());
-    link.tx.send(Frame::Connect { peer }).expect("send");
-    match recv(&mut link).await {
-        Frame::Hello(info) => assert_eq!(info.role, Role::Decode),
-        other => panic!("expected Hello, got {other:?}"),
-    }
-    link
+async fn connect(decode: &Decode, peer: PeerRole) -> Link {
+    let mut stream = Tcp.connect(&decode.address).await.expect("connect");
+    let expect = Expectation::of(&decode.worker.info);
+    let info = connect_handshake(&mut stream, peer, &decode.secret, &expect)
+        .await
+        .expect("handshake");
+    assert_eq!(info.role, Role::Decode);
+    spawn_link(stream, "test".into())
 }
 
 async fn recv(link: &mut Link) -> Frame {
@@ -166,8 +170,8 @@ async fn refused(
     reject: Reject,
 ) {
     let decode = start_decode().await;
-    let mut router = connect(&decode.address, PeerRole::Router).await;
-    let mut peer = connect(&decode.address, PeerRole::Prefill).await;
+    let mut router = connect(&decode, PeerRole::Router).await;
+    let mut peer = connect(&decode, PeerRole::Prefill).await;
     let request = RequestId(case);
     let transfer = TransferId(1000 + case);
     let mut free = 0;
@@ -215,8 +219,8 @@ fn runtime() -> tokio::runtime::Runtime {
 fn an_honest_transfer_is_sealed_and_decoded() {
     runtime().block_on(async {
         let decode = start_decode().await;
-        let mut router = connect(&decode.address, PeerRole::Router).await;
-        let mut peer = connect(&decode.address, PeerRole::Prefill).await;
+        let mut router = connect(&decode, PeerRole::Router).await;
+        let mut peer = connect(&decode, PeerRole::Prefill).await;
         let (request, transfer) = (RequestId(1), TransferId(1));
         let mut free = 0;
         router.tx.send(reserve(request, transfer)).expect("send");
@@ -304,7 +308,7 @@ fn a_page_claiming_another_tenant_is_refused() {
 fn done_for_an_unknown_transfer_is_refused_and_touches_nothing() {
     runtime().block_on(async {
         let decode = start_decode().await;
-        let mut peer = connect(&decode.address, PeerRole::Prefill).await;
+        let mut peer = connect(&decode, PeerRole::Prefill).await;
         let (frames, done) = honest(RequestId(9), TransferId(9), decode.page_bytes);
         for frame in frames {
             peer.tx.send(frame).expect("send");

@@ -1,0 +1,97 @@
+//! `airlock preflight`: checks a deployment's capacity node by node, from a TOML file before
+//! it runs or from a running router's `/health`, and exits non-zero if any node fails.
+
+use crate::model_path::ModelArgs;
+use anyhow::{bail, Context, Result};
+use config::preflight::{evaluate, evaluate_live, parse, render, LiveNode};
+use config::ModelShape;
+use gguf::GgufFile;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Deployment file: [router] and one [[node]] per worker (name, role, kv_memory or
+    /// kv_tokens or kv_memory_fraction + memory, context_length, page_size); see README
+    file: Option<PathBuf>,
+    /// Check a running deployment instead, from its router's /health (e.g.
+    /// http://127.0.0.1:8080)
+    #[arg(long, conflicts_with = "file")]
+    url: Option<String>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let reports = match (&args.file, &args.url) {
+        (Some(path), None) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let deployment =
+                parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            let (shape, weight_bytes) = model_shape(&args.model)?;
+            evaluate(&deployment, &shape, weight_bytes)
+        }
+        (None, Some(url)) => live_reports(url)?,
+        _ => bail!("give a deployment file, or --url of a running router"),
+    };
+    print!("{}", render(&reports));
+    let failed: Vec<&str> = reports
+        .iter()
+        .filter(|r| !r.ok())
+        .map(|r| r.name.as_str())
+        .collect();
+    if !failed.is_empty() {
+        bail!("preflight failed for: {}", failed.join(", "));
+    }
+    println!("preflight ok: {} nodes", reports.len());
+    Ok(())
+}
+
+/// The model's shape from its GGUF metadata, and its size on disk as the weights' size.
+fn model_shape(model: &ModelArgs) -> Result<(ModelShape, u64)> {
+    let path = model.resolve_model()?;
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let file = GgufFile::parse(&bytes)?;
+    let config = model::LlamaConfig::from_gguf(&file)?;
+    let shape = ModelShape {
+        layer_count: config.layer_count as u64,
+        kv_head_count: config.kv_head_count as u64,
+        head_dim: config.head_dim as u64,
+        context_length_max: config.context_length as u64,
+    };
+    Ok((shape, bytes.len() as u64))
+}
+
+fn live_reports(url: &str) -> Result<Vec<config::preflight::NodeReport>> {
+    let url = url.trim_end_matches('/');
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let health: serde_json::Value = runtime.block_on(async {
+        let response = reqwest::get(format!("{url}/health"))
+            .await
+            .with_context(|| format!("reaching {url}/health"))?;
+        response.json().await.context("reading /health")
+    })?;
+    let workers = health["workers"]
+        .as_array()
+        .context("/health lists no workers")?;
+    let nodes: Vec<LiveNode> = workers
+        .iter()
+        .map(|worker| LiveNode {
+            name: worker["name"]
+                .as_str()
+                .or(worker["address"].as_str())
+                .unwrap_or("?")
+                .to_string(),
+            role: worker["role"].as_str().unwrap_or("?").to_string(),
+            up: worker["up"].as_bool().unwrap_or(false),
+            weight_bytes: worker["weight_bytes"].as_u64(),
+            kv_bytes: worker["kv_bytes"].as_u64(),
+            capacity_tokens: worker["capacity_tokens"].as_u64(),
+            context_length: worker["context_length"].as_u64(),
+            page_size: worker["page_size_tokens"].as_u64(),
+        })
+        .collect();
+    Ok(evaluate_live(&nodes, health["context_length"].as_u64()))
+}

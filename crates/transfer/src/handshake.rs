@@ -1,0 +1,214 @@
+//! The start of every link, on the raw stream before frames flow: authenticate both sides
+//! (I11), then the worker describes itself and the connecting side checks every field that
+//! must match (I8): model, weights hash, KV dtype, page size, shape, context length. The
+//! protocol version is checked on every frame by the decoder.
+
+use crate::auth::{nonce, ClusterSecret, CLIENT_LABEL, SERVER_LABEL};
+use crate::transport::{read_frame, write_frame, BoxStream, LinkError};
+use crate::{DecodeError, Frame, PeerRole, WorkerInfo};
+use std::time::Duration;
+
+/// How long either side waits for each handshake frame.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a link was refused at its start.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("the peer failed cluster authentication (wrong or missing cluster secret)")]
+    Auth,
+    #[error("the peer speaks another protocol version: {0}")]
+    Version(DecodeError),
+    #[error("the peer broke the handshake: {0}")]
+    Protocol(String),
+    #[error("the peer did not answer in time")]
+    Timeout,
+    #[error("link I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("worker mismatch: its {field} is {found}, expected {expected}")]
+    Mismatch {
+        field: &'static str,
+        found: String,
+        expected: String,
+    },
+}
+
+impl HandshakeError {
+    /// Short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            HandshakeError::Auth => "auth",
+            HandshakeError::Version(_) => "protocol_version",
+            HandshakeError::Protocol(_) | HandshakeError::Io(_) => "handshake",
+            HandshakeError::Timeout => "timeout",
+            HandshakeError::Mismatch { field, .. } => field,
+        }
+    }
+}
+
+/// What a worker must match to be used: the model (id, weights, shape), the KV layout and the
+/// context length.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Expectation {
+    pub model_id: String,
+    pub weights_hash: u64,
+    pub kv_dtype: String,
+    pub page_size_tokens: u32,
+    pub layer_count: u32,
+    pub kv_head_count: u32,
+    pub head_dim: u32,
+    /// `None` accepts any context length (a router then admits up to the smallest).
+    pub context_length: Option<u32>,
+}
+
+impl Expectation {
+    /// The first field of `info` that differs from what is expected.
+    pub fn check(&self, info: &WorkerInfo) -> Result<(), HandshakeError> {
+        let context = |n: Option<u32>| n.map_or_else(|| "any".to_string(), |n| n.to_string());
+        let expected_context = match self.context_length {
+            None => context(Some(info.context_length)),
+            some => context(some),
+        };
+        let fields: [(&'static str, String, String); 8] = [
+            ("model_id", info.model_id.clone(), self.model_id.clone()),
+            (
+                "weights_hash",
+                format!("{:016x}", info.weights_hash),
+                format!("{:016x}", self.weights_hash),
+            ),
+            ("kv_dtype", info.kv_dtype.clone(), self.kv_dtype.clone()),
+            (
+                "page_size",
+                info.page_size_tokens.to_string(),
+                self.page_size_tokens.to_string(),
+            ),
+            (
+                "layers",
+                info.layer_count.to_string(),
+                self.layer_count.to_string(),
+            ),
+            (
+                "kv_heads",
+                info.kv_head_count.to_string(),
+                self.kv_head_count.to_string(),
+            ),
+            (
+                "head_dim",
+                info.head_dim.to_string(),
+                self.head_dim.to_string(),
+            ),
+            (
+                "context_length",
+                info.context_length.to_string(),
+                expected_context,
+            ),
+        ];
+        for (field, found, expected) in fields {
+            if found != expected {
+                return Err(HandshakeError::Mismatch {
+                    field,
+                    found,
+                    expected,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// What a worker described by `info` expects of its peers.
+    pub fn of(info: &WorkerInfo) -> Expectation {
+        Expectation {
+            model_id: info.model_id.clone(),
+            weights_hash: info.weights_hash,
+            kv_dtype: info.kv_dtype.clone(),
+            page_size_tokens: info.page_size_tokens,
+            layer_count: info.layer_count,
+            kv_head_count: info.kv_head_count,
+            head_dim: info.head_dim,
+            context_length: Some(info.context_length),
+        }
+    }
+}
+
+async fn read(stream: &mut BoxStream) -> Result<Frame, HandshakeError> {
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(stream)).await {
+        Err(_) => Err(HandshakeError::Timeout),
+        Ok(Ok(Some(frame))) => Ok(frame),
+        Ok(Ok(None)) => Err(HandshakeError::Protocol("the peer closed the link".into())),
+        Ok(Err(LinkError::Decode(error @ DecodeError::Version { .. }))) => {
+            Err(HandshakeError::Version(error))
+        }
+        Ok(Err(LinkError::Io(error))) => Err(HandshakeError::Io(error)),
+        Ok(Err(error)) => Err(HandshakeError::Protocol(error.to_string())),
+    }
+}
+
+/// The connecting side: prove ourselves, check the worker's proof, read its `Hello` and check
+/// it against `expect`.
+pub async fn connect_handshake(
+    stream: &mut BoxStream,
+    peer: PeerRole,
+    secret: &ClusterSecret,
+    expect: &Expectation,
+) -> Result<WorkerInfo, HandshakeError> {
+    let client_nonce = nonce();
+    write_frame(
+        stream,
+        &Frame::Connect {
+            peer,
+            nonce: client_nonce,
+        },
+    )
+    .await?;
+    let (server_nonce, server_proof) = match read(stream).await? {
+        Frame::Challenge { nonce, proof } => (nonce, proof),
+        _ => return Err(HandshakeError::Protocol("expected a challenge".into())),
+    };
+    if !secret.verify(SERVER_LABEL, &client_nonce, &server_nonce, &server_proof) {
+        return Err(HandshakeError::Auth);
+    }
+    let proof = secret.proof(CLIENT_LABEL, &client_nonce, &server_nonce);
+    write_frame(stream, &Frame::Proof { proof }).await?;
+    let info = match read(stream).await? {
+        Frame::Hello(info) => info,
+        _ => return Err(HandshakeError::Protocol("expected a hello".into())),
+    };
+    expect.check(&info)?;
+    Ok(info)
+}
+
+/// The worker's side: answer the challenge, check the peer's proof, then describe ourselves.
+pub async fn accept_handshake(
+    stream: &mut BoxStream,
+    secret: &ClusterSecret,
+    info: &WorkerInfo,
+) -> Result<PeerRole, HandshakeError> {
+    let (peer, client_nonce) = match read(stream).await? {
+        Frame::Connect { peer, nonce } => (peer, nonce),
+        _ => return Err(HandshakeError::Protocol("expected a connect".into())),
+    };
+    let server_nonce = nonce();
+    let proof = secret.proof(SERVER_LABEL, &client_nonce, &server_nonce);
+    write_frame(
+        stream,
+        &Frame::Challenge {
+            nonce: server_nonce,
+            proof,
+        },
+    )
+    .await?;
+    // A peer that hangs up once it has seen our proof is one whose secret did not verify it:
+    // counted as an authentication failure like a wrong proof.
+    let client_proof = match read(stream).await {
+        Ok(Frame::Proof { proof }) => proof,
+        Ok(_) => return Err(HandshakeError::Protocol("expected a proof".into())),
+        Err(HandshakeError::Protocol(_) | HandshakeError::Io(_)) => {
+            return Err(HandshakeError::Auth)
+        }
+        Err(error) => return Err(error),
+    };
+    if !secret.verify(CLIENT_LABEL, &client_nonce, &server_nonce, &client_proof) {
+        return Err(HandshakeError::Auth);
+    }
+    write_frame(stream, &Frame::Hello(info.clone())).await?;
+    Ok(peer)
+}
