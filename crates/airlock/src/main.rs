@@ -45,15 +45,18 @@ enum Command {
     BenchModel(bench_model::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    let result = run();
-    if let Err(error) = &result {
-        if let Some(refused) = error.downcast_ref::<serve::RefusedToStart>() {
-            eprintln!("airlock: {refused}");
-            std::process::exit(serve::EXIT_CONFIG);
-        }
+/// Errors end the process with one line (and its causes), never a backtrace: they are the
+/// user's to act on. A worker refusing its configuration exits 78 (EX_CONFIG), others 1.
+fn main() {
+    if let Err(error) = run() {
+        eprintln!("airlock: {error:#}");
+        let code = if error.downcast_ref::<serve::RefusedToStart>().is_some() {
+            serve::EXIT_CONFIG
+        } else {
+            1
+        };
+        std::process::exit(code);
     }
-    result
 }
 
 fn run() -> anyhow::Result<()> {
