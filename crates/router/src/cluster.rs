@@ -30,8 +30,8 @@ pub struct WorkerClient {
 struct ClientState {
     link: Option<UnboundedSender<Frame>>,
     info: Option<WorkerInfo>,
-    /// Where each request's frames go.
-    requests: HashMap<RequestId, UnboundedSender<Frame>>,
+    /// Where each request's frames go, tagged with this worker's role.
+    requests: HashMap<RequestId, UnboundedSender<(Role, Frame)>>,
     stats: Option<Frame>,
     refused: Option<String>,
 }
@@ -157,7 +157,12 @@ impl WorkerClient {
 
     /// Routes the request's frames from this worker to `tx` and sends `frame`. Fails when the
     /// link is down (the request was not sent).
-    pub fn submit(&self, request: RequestId, tx: UnboundedSender<Frame>, frame: Frame) -> bool {
+    pub fn submit(
+        &self,
+        request: RequestId,
+        tx: UnboundedSender<(Role, Frame)>,
+        frame: Frame,
+    ) -> bool {
         let mut state = self.lock();
         let Some(link) = state.link.clone() else {
             return false;
@@ -302,7 +307,7 @@ impl WorkerClient {
                 state.requests.get(&request).cloned()
             };
             if let Some(tx) = tx {
-                let _ = tx.send(frame);
+                let _ = tx.send((self.role, frame));
             }
         }
         // Every request still on this worker hears that it is gone.
@@ -310,11 +315,14 @@ impl WorkerClient {
         state.link = None;
         state.info = None;
         for (request, tx) in state.requests.drain() {
-            let _ = tx.send(Frame::Failed {
-                request,
-                failure: Failure::PeerUnavailable,
-                message: format!("lost the link to worker {}", self.addr),
-            });
+            let _ = tx.send((
+                self.role,
+                Frame::Failed {
+                    request,
+                    failure: Failure::PeerUnavailable,
+                    message: format!("lost the link to worker {}", self.addr),
+                },
+            ));
         }
         Ok(())
     }

@@ -253,20 +253,28 @@ struct Run {
     id: RequestId,
     job: Job,
     workers: Vec<Arc<WorkerClient>>,
-    rx: UnboundedReceiver<Frame>,
+    rx: UnboundedReceiver<(Role, Frame)>,
     arrived: Instant,
     last_token: Option<Instant>,
     ended: bool,
     /// Counted in `waiting` until started.
     waiting: bool,
     /// Disaggregated runs: the prefill submit, sent once decode has reserved its pages.
-    pending_prefill: Option<(Arc<WorkerClient>, UnboundedSender<Frame>, Frame)>,
+    pending_prefill: Option<PendingPrefill>,
+    /// Decode has sealed the transfer: from here on only decode decides how the request ends
+    /// (a prefill that loses its link before reading decode's `Ack` is no failure).
+    started: bool,
+    /// Ended with `Finished`: nobody needs an abort.
+    finished: bool,
     text: String,
     prompt_tokens: u32,
     completion_tokens: u32,
     _permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
+
+/// The prefill worker, the channel its frames go to, and the submit to send it.
+type PendingPrefill = (Arc<WorkerClient>, UnboundedSender<(Role, Frame)>, Frame);
 
 /// What the request's frames amount to, one at a time.
 enum Step {
@@ -313,6 +321,8 @@ impl Run {
             ended: false,
             waiting: true,
             pending_prefill: None,
+            started: false,
+            finished: false,
             text: String::new(),
             prompt_tokens: job.prompt.len() as u32,
             completion_tokens: 0,
@@ -365,7 +375,7 @@ impl Run {
     async fn wait_started(&mut self) -> Result<(), ApiError> {
         let deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
         loop {
-            let frame = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+            let (_, frame) = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
                 Ok(Some(frame)) => frame,
                 Ok(None) => return Err(ApiError::Internal),
                 Err(_) => {
@@ -389,6 +399,7 @@ impl Run {
                     }
                 }
                 Frame::Started { .. } => {
+                    self.started = true;
                     self.stop_waiting();
                     if self.pending_prefill.is_none() && self.workers.len() == 2 {
                         self.state.metrics.inc(
@@ -434,10 +445,13 @@ impl Run {
     /// The next thing the client should hear.
     async fn next(&mut self) -> Step {
         loop {
-            let Some(frame) = self.rx.recv().await else {
+            let Some((role, frame)) = self.rx.recv().await else {
                 self.ended = true;
                 return Step::Failed(ApiError::Internal);
             };
+            if self.started && role == Role::Prefill {
+                continue;
+            }
             match frame {
                 Frame::Text {
                     text, token_count, ..
@@ -461,6 +475,7 @@ impl Run {
                     ..
                 } => {
                     self.ended = true;
+                    self.finished = true;
                     self.prompt_tokens = prompt_tokens;
                     self.completion_tokens = completion_tokens;
                     let reason = finish_reason(finish);
@@ -513,8 +528,17 @@ impl Run {
 impl Drop for Run {
     fn drop(&mut self) {
         self.stop_waiting();
-        if self.ended {
+        if self.finished {
             for worker in &self.workers {
+                worker.forget(self.id);
+            }
+            return;
+        }
+        if self.ended {
+            // One worker failed the request; the others may still hold pages for it (a decode
+            // reservation waiting for a transfer that will never come): end it there too.
+            for worker in &self.workers {
+                worker.send(Frame::Abort { request: self.id });
                 worker.forget(self.id);
             }
             return;

@@ -4,12 +4,15 @@
 //! protocol version is checked on every frame by the decoder.
 
 use crate::auth::{nonce, ClusterSecret, CLIENT_LABEL, SERVER_LABEL};
-use crate::transport::{read_frame, write_frame, BoxStream, LinkError};
+use crate::transport::{read_frame_limited, write_frame, BoxStream, LinkError};
 use crate::{DecodeError, Frame, PeerRole, WorkerInfo};
 use std::time::Duration;
 
 /// How long either side waits for each handshake frame.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest handshake frame: nobody gets to make us allocate before proving the secret.
+const HANDSHAKE_FRAME_BYTES_MAX: usize = 16 << 10;
 
 /// Why a link was refused at its start.
 #[derive(Debug, thiserror::Error)]
@@ -130,7 +133,8 @@ impl Expectation {
 }
 
 async fn read(stream: &mut BoxStream) -> Result<Frame, HandshakeError> {
-    match tokio::time::timeout(HANDSHAKE_TIMEOUT, read_frame(stream)).await {
+    let frame = read_frame_limited(stream, HANDSHAKE_FRAME_BYTES_MAX);
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, frame).await {
         Err(_) => Err(HandshakeError::Timeout),
         Ok(Ok(Some(frame))) => Ok(frame),
         Ok(Ok(None)) => Err(HandshakeError::Protocol("the peer closed the link".into())),

@@ -40,6 +40,14 @@ pub enum LinkError {
 
 /// Reads one frame; `Ok(None)` at a clean end of stream between frames.
 pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<Frame>, LinkError> {
+    read_frame_limited(reader, MAX_FRAME_BYTES).await
+}
+
+/// [`read_frame`] with a smaller cap, for frames from a peer not yet authenticated.
+pub async fn read_frame_limited<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max_bytes: usize,
+) -> Result<Option<Frame>, LinkError> {
     let mut len_bytes = [0u8; 4];
     match reader.read_exact(&mut len_bytes).await {
         Ok(_) => {}
@@ -47,7 +55,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(reader: &mut R) -> Result<Option<F
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len_bytes) as usize;
-    if len > MAX_FRAME_BYTES {
+    if len > max_bytes {
         return Err(LinkError::FrameTooLarge { len });
     }
     let mut body = vec![0u8; len];

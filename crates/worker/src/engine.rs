@@ -255,11 +255,11 @@ impl Engine {
             (LinkKind::PrefillPeer, Frame::TransferAbort { transfer, .. }) => {
                 self.transfer_aborted(link, transfer)
             }
-            (LinkKind::DecodePeer, Frame::Ack { transfer }) => self.sent(transfer, None),
+            (LinkKind::DecodePeer, Frame::Ack { transfer }) => self.sent(link, transfer, None),
             (LinkKind::DecodePeer, Frame::Nack { transfer, reject }) => {
-                self.sent(transfer, Some(reject))
+                self.sent(link, transfer, Some(reject))
             }
-            (LinkKind::DecodePeer, Frame::AbortAck { transfer }) => self.sent(transfer, None),
+            (LinkKind::DecodePeer, Frame::AbortAck { transfer }) => self.sent(link, transfer, None),
             (kind, frame) => {
                 tracing::warn!(
                     ?kind,
@@ -281,8 +281,23 @@ impl Engine {
             self.send_router(link, failed(submit.request, failure, message));
             return;
         }
-        if self.requests.contains_key(&key) {
-            let message = format!("request {} is already running", submit.request.0);
+        let transfer = match &submit.plan {
+            Plan::Prefill { transfer, .. } | Plan::Decode { transfer } => Some(*transfer),
+            Plan::Unified => None,
+        };
+        let transfer_taken = transfer.is_some_and(|t| {
+            self.inbound.contains_key(&t)
+                || self.outbound.contains_key(&t)
+                || self
+                    .requests
+                    .values()
+                    .any(|r| plan_transfer(&r.submit.plan) == Some(t))
+        });
+        if self.requests.contains_key(&key) || transfer_taken {
+            let message = format!(
+                "request {} (or its transfer) is already running",
+                submit.request.0
+            );
             self.send_router(link, failed(submit.request, Failure::BadRequest, message));
             return;
         }
@@ -658,17 +673,20 @@ impl Engine {
             .verify_batch(&[table])
             .expect("a request's own pages verify");
         let view = views.pop().expect("one view per table");
-        let pages: Vec<&[u8]> = (0..view.page_len())
-            .map(|i| bytemuck::cast_slice(view.page(i)))
+        let mut pages: Vec<Vec<u8>> = (0..view.page_len())
+            .map(|i| bytemuck::cast_slice::<_, u8>(view.page(i)).to_vec())
             .collect();
-        done.checksum = transfer_checksum(&done, pages.iter().copied());
-        for (index, bytes) in pages.iter().enumerate() {
+        if let Some(last) = pages.last_mut() {
+            blank_unwritten_slots(last, view.layout(), token_count as usize);
+        }
+        done.checksum = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
+        for (index, bytes) in pages.into_iter().enumerate() {
             let _ = peer.tx.send(Frame::Page {
                 transfer,
                 request: key.1,
                 tenant: done.tenant,
                 index: index as u32,
-                bytes: bytes.to_vec(),
+                bytes,
             });
         }
         let _ = peer.tx.send(Frame::Done(done));
@@ -686,10 +704,16 @@ impl Engine {
     }
 
     /// The receiver answered (or can no longer touch our pages): release them.
-    fn sent(&mut self, transfer: TransferId, reject: Option<Reject>) {
-        let Some(key) = self.outbound.remove(&transfer) else {
+    fn sent(&mut self, link: LinkId, transfer: TransferId, reject: Option<Reject>) {
+        let Some(&key) = self.outbound.get(&transfer) else {
             return;
         };
+        // Only the decode worker the pages went to may release them.
+        if self.requests.get(&key).and_then(|r| r.peer) != Some(link) {
+            self.frames_rejected += 1;
+            return;
+        }
+        self.outbound.remove(&transfer);
         match reject {
             None => self.end(key, Ok(Frame::Ack { transfer })),
             Some(reject) => {
@@ -850,7 +874,14 @@ impl Engine {
                 Phase::Queued if now - request.arrived > queue_timeout => {
                     expired.push((*key, Failure::QueueTimeout))
                 }
-                Phase::Receiving { since, .. } if now - *since > transfer_timeout => {
+                // Until the first frame arrives, the prefill may still be queued for pages.
+                Phase::Receiving { since, sender, .. }
+                    if now - *since
+                        > match sender {
+                            None => queue_timeout + transfer_timeout,
+                            Some(_) => transfer_timeout,
+                        } =>
+                {
                     expired.push((*key, Failure::TransferTimeout))
                 }
                 Phase::Sending {
@@ -902,6 +933,13 @@ impl Engine {
             .map(|(key, _)| *key)
             .collect();
         for key in affected {
+            let sending = matches!(self.requests[&key].phase, Phase::Sending { .. });
+            if entry.kind == LinkKind::Router && sending {
+                // The decode side may still be reading what we sent: abort through the
+                // protocol and keep the pages until it answers (I5).
+                self.abort(key);
+                continue;
+            }
             let message = match entry.kind {
                 LinkKind::Router => "the router went away",
                 LinkKind::DecodePeer => "the link to the decode worker was lost",
@@ -999,6 +1037,34 @@ impl Engine {
     }
 }
 
+/// Zeroes the slots of the last page past the `token_count` tokens a transfer carries: pages
+/// are reused without zeroing, so those slots may hold an earlier owner's K/V, which must not
+/// leave this worker under another tenant's name (decode would never read them, but the bytes
+/// would still cross the network).
+fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, token_count: usize) {
+    let used = token_count % layout.page_size_tokens;
+    if used == 0 {
+        return;
+    }
+    let slot_bytes = layout.head_dim * 2;
+    for layer in 0..layout.layer_count {
+        for kind in [kv::KvKind::Key, kv::KvKind::Value] {
+            for kv_head in 0..layout.kv_head_count {
+                let start = layout.head_offset(layer, kind, kv_head) * 2;
+                let end = start + layout.page_size_tokens * slot_bytes;
+                page[start + used * slot_bytes..end].fill(0);
+            }
+        }
+    }
+}
+
+fn plan_transfer(plan: &Plan) -> Option<TransferId> {
+    match plan {
+        Plan::Prefill { transfer, .. } | Plan::Decode { transfer } => Some(*transfer),
+        Plan::Unified => None,
+    }
+}
+
 fn decode_state(submit: &Submit) -> DecodeState {
     let sampling = SamplingParams {
         temperature: submit.sampling.temperature,
@@ -1053,5 +1119,39 @@ fn frame_name(frame: &Frame) -> &'static str {
         Frame::Ack { .. } => "Ack",
         Frame::Nack { .. } => "Nack",
         Frame::AbortAck { .. } => "AbortAck",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::blank_unwritten_slots;
+
+    #[test]
+    fn only_the_slots_past_the_transfer_are_blanked() {
+        let layout = kv::KvLayout {
+            layer_count: 2,
+            kv_head_count: 2,
+            head_dim: 3,
+            page_size_tokens: 4,
+        };
+        let mut page = vec![0xAAu8; layout.page_bytes()];
+        // 6 tokens in pages of 4: the last page holds 2 written slots.
+        blank_unwritten_slots(&mut page, &layout, 6);
+        let slot_bytes = layout.head_dim * 2;
+        let head_bytes = layout.page_size_tokens * slot_bytes;
+        for (head, region) in page.chunks(head_bytes).enumerate() {
+            assert!(
+                region[..2 * slot_bytes].iter().all(|&b| b == 0xAA),
+                "head {head}"
+            );
+            assert!(
+                region[2 * slot_bytes..].iter().all(|&b| b == 0),
+                "head {head}"
+            );
+        }
+        // A full last page keeps everything.
+        let mut full = vec![0xAAu8; layout.page_bytes()];
+        blank_unwritten_slots(&mut full, &layout, 8);
+        assert!(full.iter().all(|&b| b == 0xAA));
     }
 }
