@@ -190,6 +190,31 @@ fn impostor(secret: ClusterSecret, info: WorkerInfo) -> String {
     })
 }
 
+/// A worker from another protocol version: it answers every greeting with a frame of
+/// version 2.
+fn old_protocol_worker() -> String {
+    runtime().block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address").to_string();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    use tokio::io::AsyncWriteExt;
+                    let _ = transfer::transport::read_frame(&mut stream).await;
+                    let mut body = transfer::Frame::Proof { proof: [0; 32] }.encode();
+                    body[2..4].copy_from_slice(&2u16.to_le_bytes());
+                    let _ = stream.write_all(&(body.len() as u32).to_le_bytes()).await;
+                    let _ = stream.write_all(&body).await;
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                });
+            }
+        });
+        address
+    })
+}
+
 #[test]
 fn the_router_refuses_a_worker_that_differs_in_any_field_and_serves_with_the_rest() {
     let file = model_file();
@@ -231,10 +256,14 @@ fn the_router_refuses_a_worker_that_differs_in_any_field_and_serves_with_the_res
         options.extra_workers.push((address, Role::Unified));
         reasons.push(*reason);
     }
-    // And one that does not hold the cluster secret.
+    // One that does not hold the cluster secret, and one from another protocol version.
     let stranger = impostor(ClusterSecret::random(), good.clone());
     options.extra_workers.push((stranger, Role::Unified));
     reasons.push("auth");
+    options
+        .extra_workers
+        .push((old_protocol_worker(), Role::Unified));
+    reasons.push("protocol_version");
     let secret = options.secret.clone();
     let server = start(options);
 
