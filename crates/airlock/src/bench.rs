@@ -9,10 +9,11 @@
 use crate::model_path::ModelArgs;
 use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// Servers to start and measure in turn: serve, unified, llama-cpp (comma-separated)
     /// [default: all three, unless --url is given]
@@ -42,6 +43,14 @@ pub struct Args {
     /// Port for spawned servers
     #[arg(long, default_value_t = 18500)]
     port: u16,
+    /// Guard-overhead mode: two `airlock` binaries, GUARDED,UNGUARDED; each runs `serve` in
+    /// turn (A B A B ...) at the first --concurrency level, and the report gives the
+    /// throughput and p99 inter-token latency difference with a 95% confidence interval
+    #[arg(long, value_delimiter = ',', num_args = 1)]
+    ab: Vec<PathBuf>,
+    /// Pairs of runs in --ab mode
+    #[arg(long, default_value_t = 10)]
+    pairs: usize,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -70,6 +79,9 @@ pub fn run(args: Args) -> Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    if !args.ab.is_empty() {
+        return run_ab(&args, &prompts, &runtime);
+    }
     let mut results: Vec<(String, Vec<LevelReport>)> = Vec::new();
     let spawned: Vec<String> = if args.spawn.is_empty() && args.url.is_empty() {
         ["serve", "unified", "llama-cpp"].map(String::from).to_vec()
@@ -152,6 +164,29 @@ impl Drop for Server {
 }
 
 impl Server {
+    /// `binary serve`, for the A/B guard comparison.
+    fn start_serve(binary: &Path, args: &Args) -> Result<Server> {
+        let model = args.model.resolve_model()?;
+        let threads = args.model.threads().to_string();
+        let port = args.port.to_string();
+        let child = Command::new(binary)
+            .args(["serve", "--port", &port, "--threads", &threads])
+            .arg("--model")
+            .arg(&model)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let server = Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            model_id: crate::serve::DEFAULT_MODEL_NAME.to_string(),
+            description: binary.display().to_string(),
+        };
+        server.wait_ready("serve", args.api_key.as_deref())?;
+        Ok(server)
+    }
+
     fn start(name: &str, args: &Args) -> Result<Server> {
         let model = args.model.resolve_model()?;
         let threads = args.model.threads().to_string();
@@ -403,5 +438,99 @@ fn print_table(results: &[(String, Vec<LevelReport>)], args: &Args) {
                 report.failed,
             );
         }
+    }
+}
+
+/// Guarded vs unguarded, alternating, one concurrency level: per-pair differences and their
+/// mean with a 95% confidence interval (Student's t over the pairs).
+fn run_ab(args: &Args, prompts: &[String], runtime: &tokio::runtime::Runtime) -> Result<()> {
+    let [guarded, unguarded] = args.ab.as_slice() else {
+        bail!("--ab takes two binaries: GUARDED,UNGUARDED");
+    };
+    if args.pairs < 2 {
+        bail!("--pairs must be at least 2 for a confidence interval");
+    }
+    let concurrency = args.concurrency.first().copied().unwrap_or(8);
+    let level = Args {
+        concurrency: vec![concurrency],
+        ..args.clone()
+    };
+    let mut throughput_change = Vec::new();
+    let mut p99_change_ms = Vec::new();
+    for pair in 0..args.pairs {
+        let mut measured = Vec::new();
+        for binary in [guarded, unguarded] {
+            let server = Server::start_serve(binary, args)?;
+            let reports =
+                runtime.block_on(measure(&server.url, &server.model_id, prompts, &level))?;
+            drop(server);
+            let report = &reports[0];
+            if report.failed > 0 {
+                bail!("{} failed {} requests", binary.display(), report.failed);
+            }
+            let mut itl = report.itl.clone();
+            measured.push((
+                report.tokens as f64 / report.wall,
+                percentile(&mut itl, 99.0),
+            ));
+        }
+        let (a, b) = (measured[0], measured[1]);
+        // Positive = the guards cost throughput (unguarded faster) / latency (guarded slower).
+        throughput_change.push((b.0 - a.0) / b.0 * 100.0);
+        p99_change_ms.push((a.1 - b.1) * 1e3);
+        eprintln!(
+            "pair {}: guarded {:.1} tok/s p99 ITL {:.1} ms | unguarded {:.1} tok/s p99 ITL {:.1} ms",
+            pair + 1,
+            a.0,
+            a.1 * 1e3,
+            b.0,
+            b.1 * 1e3
+        );
+    }
+    let (mean, half) = mean_and_ci95(&throughput_change);
+    let (p99_mean, p99_half) = mean_and_ci95(&p99_change_ms);
+    println!(
+        "\nguarded = {}\nunguarded = {}\n{} pairs, concurrency {concurrency}, {} requests of \
+         max_tokens {} per run\nthroughput cost of the guards: {mean:+.2}% (95% CI {:+.2}% .. \
+         {:+.2}%)\np99 inter-token latency cost: {p99_mean:+.2} ms (95% CI {:+.2} .. {:+.2} ms)",
+        guarded.display(),
+        unguarded.display(),
+        args.pairs,
+        args.requests,
+        args.max_tokens,
+        mean - half,
+        mean + half,
+        p99_mean - p99_half,
+        p99_mean + p99_half,
+    );
+    Ok(())
+}
+
+/// Mean and the half-width of its 95% confidence interval (two-sided Student's t).
+fn mean_and_ci95(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    // t(0.975, df) for df = 1..30; beyond, the normal 1.96.
+    const T: [f64; 30] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+        2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+        2.052, 2.048, 2.045, 2.042,
+    ];
+    let df = values.len() - 1;
+    let t = T.get(df.wrapping_sub(1)).copied().unwrap_or(1.96);
+    (mean, t * (variance / n).sqrt())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mean_and_ci95;
+
+    #[test]
+    fn confidence_interval_matches_a_worked_example() {
+        // Values 1..=5: mean 3, sample sd 1.5811, se 0.7071, t(4) = 2.776 -> half 1.963.
+        let (mean, half) = mean_and_ci95(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!((mean - 3.0).abs() < 1e-12);
+        assert!((half - 1.963).abs() < 1e-3, "{half}");
     }
 }

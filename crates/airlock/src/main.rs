@@ -59,7 +59,27 @@ fn main() {
     }
 }
 
+/// Guards this build runs without (benchmark builds only).
+const GUARDS_OFF: &[(bool, &str)] = &[
+    (
+        cfg!(feature = "unguarded-owner-check"),
+        "owner/generation check",
+    ),
+    (cfg!(feature = "unguarded-checksum"), "transfer checksum"),
+    (
+        cfg!(feature = "unguarded-deferred-release"),
+        "deferred release",
+    ),
+];
+
 fn run() -> anyhow::Result<()> {
+    for (off, guard) in GUARDS_OFF {
+        if *off {
+            eprintln!(
+                "airlock: BENCHMARK BUILD WITHOUT THE {guard} GUARD; never serve users with it"
+            );
+        }
+    }
     let args = config_file::apply(std::env::args_os().collect())?;
     let cli = Cli::parse_from(args);
     match cli.command {

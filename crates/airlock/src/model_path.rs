@@ -18,7 +18,7 @@ pub struct ModelArgs {
     #[arg(long, env = "AIRLOCK_THREADS")]
     pub threads: Option<usize>,
     /// Use the portable scalar kernels instead of AVX2 (for comparison and debugging)
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_SCALAR")]
     pub scalar: bool,
 }
 
