@@ -4,8 +4,9 @@
 use crate::{Reject, TransferDone, TransferId};
 use kv::{RequestId, TenantId};
 
-/// What decode reserved for one transfer and what has arrived so far.
-#[derive(Clone, Debug)]
+/// What decode reserved for one transfer and what has arrived so far. `Hash`/`Eq` so the
+/// formal model (`crates/spec`) can hold the real type in its states.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Inbound {
     pub transfer: TransferId,
     pub request: RequestId,
