@@ -278,14 +278,10 @@ impl Engine {
     fn submit(&mut self, link: LinkId, submit: Submit, peer: Option<LinkId>) {
         let key = (link, submit.request);
         if let Err((failure, message)) = self.admissible(&submit) {
-            self.send_router(link, failed(submit.request, failure, message));
+            self.send(link, failed(submit.request, failure, message));
             return;
         }
-        let transfer = match &submit.plan {
-            Plan::Prefill { transfer, .. } | Plan::Decode { transfer } => Some(*transfer),
-            Plan::Unified => None,
-        };
-        let transfer_taken = transfer.is_some_and(|t| {
+        let transfer_taken = plan_transfer(&submit.plan).is_some_and(|t| {
             self.inbound.contains_key(&t)
                 || self.outbound.contains_key(&t)
                 || self
@@ -298,7 +294,7 @@ impl Engine {
                 "request {} (or its transfer) is already running",
                 submit.request.0
             );
-            self.send_router(link, failed(submit.request, Failure::BadRequest, message));
+            self.send(link, failed(submit.request, Failure::BadRequest, message));
             return;
         }
         if self.queue.len() >= self.config.queue_max {
@@ -307,7 +303,7 @@ impl Engine {
                 self.config.name,
                 self.queue.len()
             );
-            self.send_router(link, failed(submit.request, Failure::Overloaded, message));
+            self.send(link, failed(submit.request, Failure::Overloaded, message));
             return;
         }
         let seq = self.next_seq;
@@ -442,7 +438,7 @@ impl Engine {
         }
         request.table = Some(table);
         let request_id = key.1;
-        self.send_router(
+        self.send(
             key.0,
             Frame::Admitted {
                 request: request_id,
@@ -580,7 +576,7 @@ impl Engine {
             Plan::Unified => {
                 request.phase = Phase::Decoding;
                 request.decode = Some(decode_state(&request.submit));
-                self.send_router(key.0, Frame::Started { request: key.1 });
+                self.send(key.0, Frame::Started { request: key.1 });
             }
             Plan::Prefill { transfer, .. } => self.send_pages(key, transfer),
             Plan::Decode { .. } => unreachable!("decode plans receive, they never prefill"),
@@ -609,7 +605,7 @@ impl Engine {
         state.next_input = token;
         state.position += 1;
         if !shown.is_empty() {
-            self.send_router(key.0, text_frame(key.1, shown));
+            self.send(key.0, text_frame(key.1, shown));
         }
         if stopped {
             self.finish(key, Finish::Stop);
@@ -635,7 +631,7 @@ impl Engine {
             completion_tokens: state.generated.len() as u32,
         };
         if !tail.is_empty() {
-            self.send_router(key.0, text_frame(key.1, tail));
+            self.send(key.0, text_frame(key.1, tail));
         }
         self.end(key, Ok(frame));
     }
@@ -825,7 +821,7 @@ impl Engine {
                 transfer: done.transfer,
             },
         );
-        self.send_router(key.0, Frame::Started { request: key.1 });
+        self.send(key.0, Frame::Started { request: key.1 });
     }
 
     fn reject(&mut self, link: LinkId, key: Key, transfer: TransferId, reject: Reject) {
@@ -1001,7 +997,7 @@ impl Engine {
             Err((failure, message)) => failed(key.1, failure, message),
         };
         request.reported = true;
-        self.send_router(key.0, frame);
+        self.send(key.0, frame);
     }
 
     // ---- Output --------------------------------------------------------------------------
@@ -1010,10 +1006,6 @@ impl Engine {
         if let Some(entry) = self.links.get(&link) {
             let _ = entry.tx.send(frame);
         }
-    }
-
-    fn send_router(&self, link: LinkId, frame: Frame) {
-        self.send(link, frame);
     }
 
     fn publish_stats(&mut self) {

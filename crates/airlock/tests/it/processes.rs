@@ -83,11 +83,20 @@ fn base_url(line_value: &str) -> String {
     line_value.trim_end_matches("/v1").to_string()
 }
 
-#[test]
-fn router_prefill_and_decode_as_separate_processes_serve_together() {
-    let (_decode, decode_addr) = start_worker("decode", "0");
-    let (_prefill, prefill_addr) = start_worker("prefill", "0");
-    let (_router, url) = spawn(
+/// Decode, prefill and a router in front of them, each its own process. Returns them, the
+/// decode worker's address and the router's base URL.
+struct Deployment {
+    decode: Process,
+    decode_addr: String,
+    _prefill: Process,
+    _router: Process,
+    url: String,
+}
+
+fn start_deployment() -> Deployment {
+    let (decode, decode_addr) = start_worker("decode", "0");
+    let (prefill, prefill_addr) = start_worker("prefill", "0");
+    let (router, url) = spawn(
         "router",
         &[
             "router",
@@ -100,7 +109,19 @@ fn router_prefill_and_decode_as_separate_processes_serve_together() {
         ],
         " at ",
     );
-    let url = base_url(&url);
+    Deployment {
+        decode,
+        decode_addr,
+        _prefill: prefill,
+        _router: router,
+        url: base_url(&url),
+    }
+}
+
+#[test]
+fn router_prefill_and_decode_as_separate_processes_serve_together() {
+    let deployment = start_deployment();
+    let url = deployment.url.clone();
     runtime().block_on(async {
         let answer = post(
             &url,
@@ -127,22 +148,13 @@ fn router_prefill_and_decode_as_separate_processes_serve_together() {
 
 #[test]
 fn a_restarted_decode_worker_is_linked_again() {
-    let (decode, decode_addr) = start_worker("decode", "0");
-    let (_prefill, prefill_addr) = start_worker("prefill", "0");
-    let (_router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &prefill_addr,
-            "--decode",
-            &decode_addr,
-        ],
-        " at ",
-    );
-    let url = base_url(&url);
+    let Deployment {
+        decode,
+        decode_addr,
+        _prefill,
+        _router,
+        url,
+    } = start_deployment();
     drop(decode);
     runtime().block_on(async {
         // With the decode worker gone, nothing answers 200.
@@ -221,22 +233,13 @@ fn the_openai_python_client_talks_to_serve() {
 
 #[test]
 fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
-    let (decode, decode_addr) = start_worker("decode", "0");
-    let (_prefill, prefill_addr) = start_worker("prefill", "0");
-    let (_router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &prefill_addr,
-            "--decode",
-            &decode_addr,
-        ],
-        " at ",
-    );
-    let url = base_url(&url);
+    let Deployment {
+        decode,
+        decode_addr: _,
+        _prefill,
+        _router,
+        url,
+    } = start_deployment();
     runtime().block_on(async move {
         use futures_util::StreamExt;
         let response = crate::harness::client()
