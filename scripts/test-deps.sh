@@ -1,10 +1,26 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond Rust and the model: the official `openai` Python
-# client (the serving tests drive `airlock serve` with it). Idempotent; pinned for
-# reproducible CI.
+# client (the serving tests drive `airlock serve` with it), and a TrueType font for the chart
+# test of `airlock bench --plot` (Debian's fonts-dejavu-core; plotters renders text with
+# ab_glyph from a .ttf file, no fontconfig). Idempotent: nothing is downloaded when both are
+# already there; pinned for reproducible CI.
 set -euo pipefail
 
 OPENAI_VERSION="3.57.0"
+FONT="${AIRLOCK_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}"
+
+if [ ! -f "$FONT" ]; then
+    echo "installing fonts-dejavu-core (the font \`airlock bench --plot\` draws text with)" >&2
+    if command -v apt-get >/dev/null 2>&1; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y --no-install-recommends fonts-dejavu-core >/dev/null 2>&1 || {
+            apt-get update -qq && apt-get install -y --no-install-recommends fonts-dejavu-core
+        }
+    else
+        echo "no apt-get: install DejaVu Sans, or set AIRLOCK_PLOT_FONT to any .ttf file" >&2
+        exit 1
+    fi
+fi
 
 if python3 -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
     exit 0

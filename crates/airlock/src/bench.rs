@@ -5,18 +5,27 @@
 //! It can start the servers it compares, one after the other on the same machine so they never
 //! compete for cores: `airlock serve`, `airlock unified` (this binary) and llama.cpp's server
 //! from the `llama-cpp-python` package, all on the same model file and thread count.
+//!
+//! Scaling curves (`--sweep`, see `bench_curves.rs`): tokens/s and TTFT vs concurrency, TTFT vs
+//! prompt length (prompts of exact token counts), the KV transfer's time vs tokens beside
+//! memcpy bandwidth, and each airlock target's pool occupancy over time from its `/metrics`.
+//! `--plot DIR` draws them as PNGs (`bench_plot.rs`) and writes the raw figures as JSON.
 
+use crate::bench_curves::{self, PoolSample, PromptLength, Sweeps, TransferReport};
+use crate::bench_plot::{self, Axis, Chart, Legend, Scale, Series, Style};
 use crate::model_path::ModelArgs;
 use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
-    /// Servers to start and measure in turn: serve, unified, llama-cpp (comma-separated)
-    /// [default: all three, unless --url is given]
+    /// Servers to start and measure in turn: serve, unified, llama-cpp (comma-separated), or
+    /// none [default: all three, unless --url is given]
     #[arg(long, value_delimiter = ',')]
     spawn: Vec<String>,
     /// Measure a running endpoint, as NAME=URL (e.g. vllm=http://host:8000); repeatable
@@ -25,7 +34,7 @@ pub struct Args {
     /// Concurrency levels (requests in flight)
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     concurrency: Vec<usize>,
-    /// Requests per concurrency level (at least 2 × the level is sensible)
+    /// Requests per concurrency level (raised to 2 × the level where that is more)
     #[arg(long, default_value_t = 24)]
     requests: usize,
     /// max_tokens per request
@@ -51,6 +60,32 @@ pub struct Args {
     /// Pairs of runs in --ab mode
     #[arg(long, default_value_t = 10)]
     pairs: usize,
+    /// Scaling sweep, KEY=V1,V2,... (repeatable): concurrency=1,2,4,8,16,32 (replaces
+    /// --concurrency; `none` skips it); prompt-tokens=128,256,...,max (TTFT vs prompt length:
+    /// --prompt-requests prompts of exactly that many tokens each, one at a time; `max` = the
+    /// model's context length less --prompt-max-tokens and one); transfer-tokens=128,...,8192
+    /// (KV pages sent over loopback TCP between two pools in this process, beside memcpy and
+    /// xxh3 bandwidth; no server needed)
+    #[arg(long)]
+    sweep: Vec<String>,
+    /// Requests per point of the prompt-tokens sweep (the median TTFT is reported)
+    #[arg(long, default_value_t = 3)]
+    prompt_requests: usize,
+    /// max_tokens per request of the prompt-tokens sweep
+    #[arg(long, default_value_t = 16)]
+    prompt_max_tokens: usize,
+    /// Repetitions per size of the transfer-tokens sweep (the median is reported)
+    #[arg(long, default_value_t = 5)]
+    transfer_reps: usize,
+    /// Poll each target's /metrics every MS milliseconds for the KV pool occupancy curve
+    /// (airlock routers only; 0: off)
+    #[arg(long, default_value_t = 100, value_name = "MS")]
+    poll_ms: u64,
+    /// Write PNG charts (800x500) and bench.json (every figure) into DIR. Needs a TrueType
+    /// font: $AIRLOCK_PLOT_FONT, else /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
+    /// (Debian package fonts-dejavu-core)
+    #[arg(long, value_name = "DIR")]
+    plot: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -58,8 +93,12 @@ pub struct Args {
 /// One measured request.
 struct Sample {
     ttft: f64,
+    /// Seconds from sending to the last token.
+    end: f64,
     gaps: Vec<f64>,
     tokens: usize,
+    /// `usage.prompt_tokens` of the last chunk, when the server sends usage.
+    prompt_tokens: Option<usize>,
 }
 
 struct LevelReport {
@@ -72,9 +111,59 @@ struct LevelReport {
     itl: Vec<f64>,
 }
 
-pub fn run(args: Args) -> Result<()> {
+/// The prompts of one point of the prompt-tokens sweep, the same for every target.
+struct PromptSet {
+    tokens: usize,
+    prompts: Vec<String>,
+}
+
+/// One point of the prompt-tokens sweep on one target.
+struct PromptPoint {
+    /// Prompt tokens as the model's tokenizer counts them (no BOS).
+    tokens: usize,
+    /// What the server reported in `usage.prompt_tokens` (airlock does; llama.cpp's
+    /// server does not stream usage).
+    server_tokens: Option<usize>,
+    ttft: Vec<f64>,
+    /// Per request: tokens after the first / time after the first.
+    decode_tok_s: Vec<f64>,
+    failed: usize,
+}
+
+/// Everything measured on one target.
+struct TargetResult {
+    name: String,
+    levels: Vec<LevelReport>,
+    prompts: Vec<PromptPoint>,
+    pool: Vec<PoolSample>,
+    /// Where each load level began, seconds since the target's start, for the pool chart.
+    markers: Vec<(f64, String)>,
+}
+
+/// Requests sent at one concurrency level: --requests, at least twice the level.
+fn requests_for(args: &Args, concurrency: usize) -> usize {
+    args.requests.max(2 * concurrency)
+}
+
+pub fn run(mut args: Args) -> Result<()> {
+    let sweeps = Sweeps::parse(&args.sweep)?;
+    if let Some(levels) = &sweeps.concurrency {
+        args.concurrency = levels.clone();
+    }
+    if let Some(dir) = &args.plot {
+        // Fail before minutes of measuring, not after.
+        bench_plot::register_font()?;
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let (min_words, max_words) = parse_range(&args.prompt_words)?;
-    let prompts = prompt_mix(args.seed, args.requests, min_words, max_words);
+    let count = args
+        .concurrency
+        .iter()
+        .map(|&c| requests_for(&args, c))
+        .max()
+        .unwrap_or(args.requests)
+        .max(1);
+    let prompts = prompt_mix(args.seed, count, min_words, max_words);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -82,18 +171,39 @@ pub fn run(args: Args) -> Result<()> {
     if !args.ab.is_empty() {
         return run_ab(&args, &prompts, &runtime);
     }
-    let mut results: Vec<(String, Vec<LevelReport>)> = Vec::new();
+    let machine = Machine::read();
+    eprintln!("{}", machine.describe());
+    let needs_model = sweeps.prompt_tokens.is_some() || sweeps.transfer_tokens.is_some();
+    let model = needs_model.then(|| ModelFacts::read(&args)).transpose()?;
+    let prompt_sets = match (&sweeps.prompt_tokens, &model) {
+        (Some(lengths), Some(model)) => prompt_sets(lengths, model, &args)?,
+        _ => Vec::new(),
+    };
+    let mut results: Vec<TargetResult> = Vec::new();
     let spawned: Vec<String> = if args.spawn.is_empty() && args.url.is_empty() {
         ["serve", "unified", "llama-cpp"].map(String::from).to_vec()
     } else {
-        args.spawn.clone()
+        args.spawn
+            .iter()
+            .filter(|name| name.as_str() != "none")
+            .cloned()
+            .collect()
     };
+    let mut loads = vec![("start".to_string(), Machine::load_average())];
     for name in &spawned {
         let server = Server::start(name, &args)?;
         eprintln!("== {name}: {}", server.description);
-        let reports = runtime.block_on(measure(&server.url, &server.model_id, &prompts, &args))?;
-        results.push((name.clone(), reports));
+        let result = runtime.block_on(measure_target(
+            name,
+            &server.url,
+            &server.model_id,
+            &prompts,
+            &prompt_sets,
+            &args,
+        ))?;
+        results.push(result);
         drop(server);
+        loads.push((format!("after {name}"), Machine::load_average()));
     }
     for target in &args.url {
         let (name, url) = target.split_once('=').context("--url takes NAME=URL")?;
@@ -103,11 +213,257 @@ pub fn run(args: Args) -> Result<()> {
             .to_string();
         let model_id = runtime.block_on(model_id(&url, args.api_key.as_deref()))?;
         eprintln!("== {name}: {url} ({model_id})");
-        let reports = runtime.block_on(measure(&url, &model_id, &prompts, &args))?;
-        results.push((name.to_string(), reports));
+        let result = runtime.block_on(measure_target(
+            name,
+            &url,
+            &model_id,
+            &prompts,
+            &prompt_sets,
+            &args,
+        ))?;
+        results.push(result);
+        loads.push((format!("after {name}"), Machine::load_average()));
     }
-    print_table(&results, &args);
+    let transfer = match (&sweeps.transfer_tokens, &model) {
+        (Some(tokens), Some(model)) => {
+            eprintln!(
+                "== KV transfer over loopback TCP, in process ({} reps per size)",
+                args.transfer_reps
+            );
+            let report =
+                bench_curves::transfer_sweep(model.layout, tokens, args.transfer_reps, 256 << 20)?;
+            loads.push(("after transfer".to_string(), Machine::load_average()));
+            Some(report)
+        }
+        _ => None,
+    };
+    println!("\n{}", machine.describe());
+    println!(
+        "load average (1 min): {}",
+        loads
+            .iter()
+            .map(|(when, load)| format!("{when} {load}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if results.iter().any(|r| !r.levels.is_empty()) {
+        print_table(&results, &args);
+    }
+    if results.iter().any(|r| !r.prompts.is_empty()) {
+        print_prompt_table(&results, &args);
+    }
+    if let Some(report) = &transfer {
+        print_transfer_table(report, &results);
+    }
+    if let Some(dir) = &args.plot {
+        let written = write_charts(dir, &results, transfer.as_ref())?;
+        let json = report_json(&args, &machine, &loads, &results, transfer.as_ref());
+        let path = dir.join("bench.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("\nwrote {} and {}", written.join(", "), path.display());
+    }
     Ok(())
+}
+
+/// What this machine is, for the report.
+struct Machine {
+    cores: usize,
+    cpu: String,
+}
+
+impl Machine {
+    fn read() -> Machine {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|line| line.strip_prefix("model name"))
+            .and_then(|rest| rest.split_once(':'))
+            .map_or_else(|| "unknown CPU".to_string(), |(_, name)| name.trim().into());
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+            cpu,
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "machine: {} cores (nproc), {}; load average {}",
+            self.cores,
+            self.cpu,
+            Machine::load_average()
+        )
+    }
+
+    /// The 1-minute load average, as /proc/loadavg says it.
+    fn load_average() -> String {
+        std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|text| text.split_whitespace().next().map(str::to_string))
+            .unwrap_or_else(|| "?".into())
+    }
+}
+
+/// What the sweeps need from the model file: its KV layout, context length and tokenizer.
+struct ModelFacts {
+    layout: kv::KvLayout,
+    context_length: usize,
+    tokenizer: gguf::Tokenizer,
+}
+
+/// Tokens per KV page in the transfer sweep: `serve`'s default `--page-size`.
+const PAGE_SIZE_TOKENS: usize = 16;
+
+impl ModelFacts {
+    fn read(args: &Args) -> Result<ModelFacts> {
+        let path = args.model.resolve_model()?;
+        let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let file =
+            gguf::GgufFile::parse(&bytes).with_context(|| format!("parsing {}", path.display()))?;
+        let config = model::LlamaConfig::from_gguf(&file)?;
+        Ok(ModelFacts {
+            layout: config.kv_layout(PAGE_SIZE_TOKENS),
+            context_length: config.context_length,
+            tokenizer: gguf::Tokenizer::from_gguf(&file)?,
+        })
+    }
+}
+
+/// The prompts of every prompt-tokens point: --prompt-requests each, of exactly that many
+/// tokens, none sharing a prefix with another (no engine can reuse an earlier prompt's KV).
+fn prompt_sets(
+    lengths: &[PromptLength],
+    model: &ModelFacts,
+    args: &Args,
+) -> Result<Vec<PromptSet>> {
+    let limit = model
+        .context_length
+        .saturating_sub(args.prompt_max_tokens + 1);
+    let count = |text: &str| model.tokenizer.encode(text, false).len();
+    let mut sets = Vec::new();
+    for (point, length) in lengths.iter().enumerate() {
+        let tokens = match *length {
+            PromptLength::Tokens(n) if n > limit => bail!(
+                "--sweep prompt-tokens={n} leaves no room for --prompt-max-tokens {} in the \
+                 model's context of {} tokens (use at most {limit}, or `max`)",
+                args.prompt_max_tokens,
+                model.context_length
+            ),
+            PromptLength::Tokens(n) => n,
+            PromptLength::Max => limit,
+        };
+        let mut prompts = Vec::new();
+        for request in 0..args.prompt_requests.max(1) {
+            let seed = args.seed ^ ((point as u64) << 32 | request as u64).wrapping_add(1);
+            let (text, have) = bench_curves::prompt_of_tokens(&count, tokens, seed);
+            if have != tokens {
+                eprintln!("  note: a prompt for {tokens} tokens has {have}");
+            }
+            prompts.push(text);
+        }
+        sets.push(PromptSet { tokens, prompts });
+    }
+    Ok(sets)
+}
+
+/// The concurrency sweep, then the prompt-length sweep, on one target, polling its pool.
+async fn measure_target(
+    name: &str,
+    url: &str,
+    model_id: &str,
+    prompts: &[String],
+    prompt_sets: &[PromptSet],
+    args: &Args,
+) -> Result<TargetResult> {
+    let base = Instant::now();
+    let stop = Arc::new(AtomicBool::new(false));
+    let poller = (args.poll_ms > 0).then(|| {
+        tokio::spawn(bench_curves::poll_pool(
+            url.to_string(),
+            args.api_key.clone(),
+            Duration::from_millis(args.poll_ms),
+            base,
+            stop.clone(),
+        ))
+    });
+    let mut markers = Vec::new();
+    let measured = async {
+        let levels = measure(url, model_id, prompts, args, base, &mut markers).await?;
+        let points = measure_prompts(url, model_id, prompt_sets, args, base, &mut markers).await;
+        anyhow::Ok((levels, points))
+    }
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let pool = match poller {
+        Some(poller) => poller.await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let (levels, prompts) = measured?;
+    Ok(TargetResult {
+        name: name.to_string(),
+        levels,
+        prompts,
+        pool,
+        markers,
+    })
+}
+
+/// The prompt-length sweep: one request at a time, each prompt once.
+async fn measure_prompts(
+    url: &str,
+    model_id: &str,
+    sets: &[PromptSet],
+    args: &Args,
+    base: Instant,
+    markers: &mut Vec<(f64, String)>,
+) -> Vec<PromptPoint> {
+    let Ok(client) = reqwest::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .build()
+    else {
+        return Vec::new();
+    };
+    let key = args.api_key.as_deref();
+    if let Some(first) = sets.first() {
+        // Untimed, as in measure(): lazy initialisation is not part of the first point.
+        let _ = one_request(&client, url, model_id, &first.prompts[0], 4, key, true).await;
+    }
+    let mut points = Vec::new();
+    for set in sets {
+        markers.push((base.elapsed().as_secs_f64(), format!("p{}", set.tokens)));
+        let mut point = PromptPoint {
+            tokens: set.tokens,
+            server_tokens: None,
+            ttft: Vec::new(),
+            decode_tok_s: Vec::new(),
+            failed: 0,
+        };
+        for prompt in &set.prompts {
+            let max_tokens = args.prompt_max_tokens;
+            match one_request(&client, url, model_id, prompt, max_tokens, key, true).await {
+                Ok(sample) => {
+                    point.ttft.push(sample.ttft);
+                    if sample.tokens >= 2 && sample.end > sample.ttft {
+                        point
+                            .decode_tok_s
+                            .push((sample.tokens - 1) as f64 / (sample.end - sample.ttft));
+                    }
+                    point.server_tokens = sample.prompt_tokens.or(point.server_tokens);
+                }
+                Err(error) => {
+                    point.failed += 1;
+                    eprintln!("  request failed: {error:#}");
+                }
+            }
+        }
+        eprintln!(
+            "  prompt {} tokens: TTFT p50 {:.0} ms",
+            set.tokens,
+            bench_curves::median(&mut point.ttft.clone()) * 1e3
+        );
+        points.push(point);
+    }
+    points
 }
 
 fn parse_range(text: &str) -> Result<(usize, usize)> {
@@ -269,6 +625,8 @@ async fn measure(
     model_id: &str,
     prompts: &[String],
     args: &Args,
+    base: Instant,
+    markers: &mut Vec<(f64, String)>,
 ) -> Result<Vec<LevelReport>> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
@@ -281,10 +639,13 @@ async fn measure(
         &prompts[0],
         8,
         args.api_key.as_deref(),
+        false,
     )
     .await;
     let mut reports = Vec::new();
     for &concurrency in &args.concurrency {
+        let prompts = &prompts[..requests_for(args, concurrency).min(prompts.len())];
+        markers.push((base.elapsed().as_secs_f64(), format!("c{concurrency}")));
         let started = Instant::now();
         let next = std::sync::atomic::AtomicUsize::new(0);
         let lanes = (0..concurrency.max(1)).map(|_| async {
@@ -295,8 +656,10 @@ async fn measure(
                     return samples;
                 };
                 let key = args.api_key.as_deref();
-                samples
-                    .push(one_request(&client, url, model_id, prompt, args.max_tokens, key).await);
+                let max_tokens = args.max_tokens;
+                samples.push(
+                    one_request(&client, url, model_id, prompt, max_tokens, key, false).await,
+                );
             }
         });
         let samples: Vec<Result<Sample>> = futures_util::future::join_all(lanes)
@@ -344,14 +707,18 @@ async fn one_request(
     prompt: &str,
     max_tokens: usize,
     key: Option<&str>,
+    usage: bool,
 ) -> Result<Sample> {
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "model": model_id,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": true,
     });
+    if usage {
+        body["stream_options"] = serde_json::json!({ "include_usage": true });
+    }
     let started = Instant::now();
     let mut request = client.post(format!("{url}/v1/completions")).json(&body);
     if let Some(key) = key {
@@ -364,6 +731,7 @@ async fn one_request(
     let mut stream = response.bytes_stream();
     let mut buffer = Vec::new();
     let mut times = Vec::new();
+    let mut prompt_tokens = None;
     while let Some(bytes) = stream.next().await {
         buffer.extend_from_slice(&bytes?);
         while let Some(end) = buffer.windows(2).position(|w| w == b"\n\n") {
@@ -377,6 +745,9 @@ async fn one_request(
                     continue;
                 }
                 let chunk: serde_json::Value = serde_json::from_str(data)?;
+                if let Some(n) = chunk["usage"]["prompt_tokens"].as_u64() {
+                    prompt_tokens = Some(n as usize);
+                }
                 let text = chunk["choices"][0]["text"].as_str().unwrap_or("");
                 if !text.is_empty() {
                     times.push(started.elapsed().as_secs_f64());
@@ -389,8 +760,10 @@ async fn one_request(
     };
     Ok(Sample {
         ttft,
+        end: times.last().copied().unwrap_or(ttft),
         gaps: times.windows(2).map(|w| w[1] - w[0]).collect(),
         tokens: times.len(),
+        prompt_tokens,
     })
 }
 
@@ -403,10 +776,11 @@ fn percentile(values: &mut [f64], p: f64) -> f64 {
     values[rank]
 }
 
-fn print_table(results: &[(String, Vec<LevelReport>)], args: &Args) {
-    let peer = results.iter().find(|(name, _)| name == "llama-cpp");
+fn print_table(results: &[TargetResult], args: &Args) {
+    let peer = results.iter().find(|r| r.name == "llama-cpp");
     println!(
-        "\n{} requests per level, max_tokens {}, prompts {} words, seed {}, {} threads\n",
+        "\n{} requests per level (at least 2 × the level), max_tokens {}, prompts {} words, \
+         seed {}, {} threads\n",
         args.requests,
         args.max_tokens,
         args.prompt_words,
@@ -418,11 +792,20 @@ fn print_table(results: &[(String, Vec<LevelReport>)], args: &Args) {
          ITL p50 ms | ITL p99 ms | tokens/request | failed |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (name, reports) in results {
+    for TargetResult {
+        name,
+        levels: reports,
+        ..
+    } in results
+    {
         for report in reports {
             let rate = report.tokens as f64 / report.wall;
             let ratio = peer
-                .and_then(|(_, levels)| levels.iter().find(|l| l.concurrency == report.concurrency))
+                .and_then(|p| {
+                    p.levels
+                        .iter()
+                        .find(|l| l.concurrency == report.concurrency)
+                })
                 .map(|l| rate / (l.tokens as f64 / l.wall))
                 .map_or("-".to_string(), |r| format!("{r:.2}×"));
             let mut ttft = report.ttft.clone();
@@ -439,6 +822,390 @@ fn print_table(results: &[(String, Vec<LevelReport>)], args: &Args) {
             );
         }
     }
+}
+
+fn median_ms(values: &[f64]) -> f64 {
+    bench_curves::median(&mut values.to_vec()) * 1e3
+}
+
+fn print_prompt_table(results: &[TargetResult], args: &Args) {
+    let peer = results.iter().find(|r| r.name == "llama-cpp");
+    println!(
+        "\nprompt-length sweep: {} requests per point, one at a time, max_tokens {}, greedy; \
+         prompt tokens counted by the model's tokenizer\n",
+        args.prompt_requests, args.prompt_max_tokens
+    );
+    println!(
+        "| prompt tokens | server | TTFT p50 ms | prompt tok/s (tokens / TTFT) | TTFT vs llama-cpp | \
+         decode tok/s p50 | usage.prompt_tokens | failed |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    let lengths: Vec<usize> = results
+        .iter()
+        .flat_map(|r| r.prompts.iter().map(|p| p.tokens))
+        .fold(Vec::new(), |mut seen, n| {
+            if !seen.contains(&n) {
+                seen.push(n);
+            }
+            seen
+        });
+    for tokens in lengths {
+        for result in results {
+            let Some(point) = result.prompts.iter().find(|p| p.tokens == tokens) else {
+                continue;
+            };
+            let ttft = median_ms(&point.ttft);
+            let ratio = peer
+                .and_then(|p| p.prompts.iter().find(|q| q.tokens == tokens))
+                .map(|q| median_ms(&q.ttft) / ttft)
+                .filter(|r| r.is_finite())
+                .map_or("-".to_string(), |r| format!("{r:.2}× faster"));
+            println!(
+                "| {tokens} | {} | {ttft:.0} | {:.0} | {ratio} | {:.1} | {} | {} |",
+                result.name,
+                tokens as f64 / (ttft / 1e3),
+                bench_curves::median(&mut point.decode_tok_s.clone()),
+                point
+                    .server_tokens
+                    .map_or("-".to_string(), |n| n.to_string()),
+                point.failed,
+            );
+        }
+    }
+}
+
+/// serve's TTFT minus unified's at each prompt length both measured: the cost of
+/// disaggregation (transfer, its verification, the extra hop), as the client sees it.
+fn ttft_difference(results: &[TargetResult]) -> Vec<(usize, f64)> {
+    let find = |name: &str| results.iter().find(|r| r.name == name);
+    let (Some(serve), Some(unified)) = (find("serve"), find("unified")) else {
+        return Vec::new();
+    };
+    serve
+        .prompts
+        .iter()
+        .filter_map(|s| {
+            let u = unified.prompts.iter().find(|u| u.tokens == s.tokens)?;
+            Some((s.tokens, (median_ms(&s.ttft) - median_ms(&u.ttft)) / 1e3))
+        })
+        .filter(|(_, d)| d.is_finite())
+        .collect()
+}
+
+fn print_transfer_table(report: &TransferReport, results: &[TargetResult]) {
+    let layout = report.layout;
+    println!(
+        "\nKV transfer over loopback TCP, in process: {} layers × {} kv heads × {} dims, f16, \
+         {} tokens per page ({} bytes); timed from packing to the receiver's verified seal\n\
+         memcpy {:.2} GB/s, xxh3 {:.2} GB/s (best of 5 over 256 MiB, same run)\n",
+        layout.layer_count,
+        layout.kv_head_count,
+        layout.head_dim,
+        layout.page_size_tokens,
+        layout.page_bytes(),
+        report.memcpy_gb_s,
+        report.xxh3_gb_s
+    );
+    let difference = ttft_difference(results);
+    println!(
+        "| tokens | pages | MB | transfer ms | GB/s | of memcpy | sender packing ms | \
+         memcpy ms (same bytes) | serve − unified TTFT ms |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for point in &report.points {
+        let memcpy_ms = point.bytes as f64 / report.memcpy_gb_s / 1e6;
+        let measured = difference
+            .iter()
+            .find(|(tokens, _)| *tokens == point.tokens)
+            .map_or("-".to_string(), |(_, d)| format!("{:.0}", d * 1e3));
+        println!(
+            "| {} | {} | {:.1} | {:.2} | {:.2} | {:.0}% | {:.2} | {:.2} | {measured} |",
+            point.tokens,
+            point.pages,
+            point.bytes as f64 / 1e6,
+            point.seconds * 1e3,
+            point.gb_per_s(),
+            point.gb_per_s() / report.memcpy_gb_s * 100.0,
+            point.pack_seconds * 1e3,
+            memcpy_ms,
+        );
+    }
+}
+
+/// Draws every chart the measurements allow; returns the file names written.
+fn write_charts(
+    dir: &Path,
+    results: &[TargetResult],
+    transfer: Option<&TransferReport>,
+) -> Result<Vec<String>> {
+    let mut charts: Vec<(String, Chart)> = Vec::new();
+    let per_target = |f: &dyn Fn(&TargetResult) -> Vec<(f64, f64)>| -> Vec<Series> {
+        results
+            .iter()
+            .map(|r| Series {
+                name: r.name.clone(),
+                points: f(r),
+                style: Style::Measured,
+            })
+            .filter(|s| !s.points.is_empty())
+            .collect()
+    };
+    let concurrency_axis = || Axis::new("concurrency (requests in flight)", Scale::Log).at_data();
+    if results.iter().any(|r| !r.levels.is_empty()) {
+        charts.push((
+            "throughput_vs_concurrency.png".into(),
+            Chart {
+                title: "Output tokens/s vs concurrency".into(),
+                x: concurrency_axis(),
+                y: Axis::new("output tokens/s (all requests)", Scale::Linear),
+                series: per_target(&|r| {
+                    r.levels
+                        .iter()
+                        .map(|l| (l.concurrency as f64, l.tokens as f64 / l.wall))
+                        .collect()
+                }),
+                markers: Vec::new(),
+                legend: Legend::UpperLeft,
+            },
+        ));
+        charts.push((
+            "ttft_vs_concurrency.png".into(),
+            Chart {
+                title: "Time to first token vs concurrency (median)".into(),
+                x: concurrency_axis(),
+                y: Axis::new("TTFT p50 (ms, log scale)", Scale::Log),
+                series: per_target(&|r| {
+                    r.levels
+                        .iter()
+                        .map(|l| (l.concurrency as f64, median_ms(&l.ttft)))
+                        .collect()
+                }),
+                markers: Vec::new(),
+                legend: Legend::UpperLeft,
+            },
+        ));
+    }
+    if results.iter().any(|r| !r.prompts.is_empty()) {
+        charts.push((
+            "ttft_vs_prompt_tokens.png".into(),
+            Chart {
+                title: "Time to first token vs prompt length (one request at a time)".into(),
+                x: Axis::new("prompt tokens (log scale)", Scale::Log).at_data(),
+                y: Axis::new("TTFT p50 (ms, log scale)", Scale::Log),
+                series: per_target(&|r| {
+                    r.prompts
+                        .iter()
+                        .map(|p| (p.tokens as f64, median_ms(&p.ttft)))
+                        .collect()
+                }),
+                markers: Vec::new(),
+                legend: Legend::UpperLeft,
+            },
+        ));
+    }
+    if let Some(report) = transfer {
+        let tokens = |f: &dyn Fn(&bench_curves::TransferPoint) -> f64| -> Vec<(f64, f64)> {
+            report
+                .points
+                .iter()
+                .map(|p| (p.tokens as f64, f(p)))
+                .collect()
+        };
+        let mut series = vec![
+            Series {
+                name: "KV transfer, loopback TCP (measured)".into(),
+                points: tokens(&|p| p.seconds * 1e3),
+                style: Style::Measured,
+            },
+            Series {
+                name: format!("memcpy of the same bytes ({:.1} GB/s)", report.memcpy_gb_s),
+                points: tokens(&|p| p.bytes as f64 / report.memcpy_gb_s / 1e6),
+                style: Style::Reference,
+            },
+            Series {
+                name: format!("xxh3 of the same bytes ({:.1} GB/s)", report.xxh3_gb_s),
+                points: tokens(&|p| p.bytes as f64 / report.xxh3_gb_s / 1e6),
+                style: Style::Reference,
+            },
+        ];
+        let difference = ttft_difference(results);
+        if difference.iter().any(|(_, d)| *d > 0.0) {
+            series.push(Series {
+                name: "serve − unified TTFT (same prompt length)".into(),
+                points: difference
+                    .iter()
+                    .filter(|(_, d)| *d > 0.0)
+                    .map(|&(t, d)| (t as f64, d * 1e3))
+                    .collect(),
+                style: Style::Measured,
+            });
+        }
+        charts.push((
+            "transfer_time_vs_tokens.png".into(),
+            Chart {
+                title: "KV transfer time vs tokens transferred".into(),
+                x: Axis::new("tokens of KV (log scale)", Scale::Log).at_data(),
+                y: Axis::new("time (ms, log scale)", Scale::Log),
+                series,
+                markers: Vec::new(),
+                legend: Legend::UpperLeft,
+            },
+        ));
+        let flat = |gb_s: f64| {
+            let first = report.points.first().map_or(1.0, |p| p.tokens as f64);
+            let last = report.points.last().map_or(1.0, |p| p.tokens as f64);
+            vec![(first, gb_s), (last, gb_s)]
+        };
+        charts.push((
+            "transfer_bandwidth_vs_tokens.png".into(),
+            Chart {
+                title: "KV transfer bandwidth vs tokens, beside memory bandwidth".into(),
+                x: Axis::new("tokens of KV (log scale)", Scale::Log).at_data(),
+                y: Axis::new("GB/s (10^9 bytes per second)", Scale::Linear),
+                series: vec![
+                    Series {
+                        name: "KV transfer, loopback TCP (measured)".into(),
+                        points: tokens(&|p| p.gb_per_s()),
+                        style: Style::Measured,
+                    },
+                    Series {
+                        name: "memcpy (physical limit)".into(),
+                        points: flat(report.memcpy_gb_s),
+                        style: Style::Reference,
+                    },
+                    Series {
+                        name: "xxh3 (checksum)".into(),
+                        points: flat(report.xxh3_gb_s),
+                        style: Style::Reference,
+                    },
+                ],
+                markers: Vec::new(),
+                legend: Legend::MiddleRight,
+            },
+        ));
+    }
+    for result in results.iter().filter(|r| !r.pool.is_empty()) {
+        let mut workers: Vec<&str> = Vec::new();
+        for sample in &result.pool {
+            if !workers.contains(&sample.worker.as_str()) {
+                workers.push(&sample.worker);
+            }
+        }
+        let mut series: Vec<Series> = workers
+            .iter()
+            .map(|worker| Series {
+                name: format!("{worker}: pages used"),
+                points: result
+                    .pool
+                    .iter()
+                    .filter(|s| s.worker == *worker)
+                    .map(|s| (s.t, s.used))
+                    .collect(),
+                style: Style::Trace,
+            })
+            .collect();
+        let total = result.pool.iter().map(|s| s.total).fold(0.0, f64::max);
+        let end = result.pool.last().map_or(1.0, |s| s.t);
+        series.push(Series {
+            name: format!("pool size ({total:.0} pages per worker)"),
+            points: vec![(0.0, total), (end, total)],
+            style: Style::Reference,
+        });
+        charts.push((
+            format!("pool_occupancy_{}.png", result.name),
+            Chart {
+                title: format!(
+                    "KV pool pages used over time: {} (c = concurrency, p = prompt tokens)",
+                    result.name
+                ),
+                x: Axis::new("time since the target started (s)", Scale::Linear),
+                y: Axis::new("KV pages used", Scale::Linear),
+                series,
+                markers: result.markers.clone(),
+                legend: Legend::MiddleLeft,
+            },
+        ));
+    }
+    let mut written = Vec::new();
+    for (file, chart) in charts {
+        let path = dir.join(&file);
+        bench_plot::draw(&chart, &path, bench_plot::SIZE)?;
+        written.push(path.display().to_string());
+    }
+    Ok(written)
+}
+
+/// Every figure of the run, for re-plotting or comparing runs.
+fn report_json(
+    args: &Args,
+    machine: &Machine,
+    loads: &[(String, String)],
+    results: &[TargetResult],
+    transfer: Option<&TransferReport>,
+) -> serde_json::Value {
+    use serde_json::json;
+    let targets: Vec<serde_json::Value> = results
+        .iter()
+        .map(|r| {
+            json!({
+                "name": r.name,
+                "concurrency": r.levels.iter().map(|l| json!({
+                    "concurrency": l.concurrency,
+                    "requests": l.requests,
+                    "failed": l.failed,
+                    "wall_s": l.wall,
+                    "output_tokens": l.tokens,
+                    "output_tok_s": l.tokens as f64 / l.wall,
+                    "ttft_p50_ms": median_ms(&l.ttft),
+                    "ttft_p99_ms": percentile(&mut l.ttft.clone(), 99.0) * 1e3,
+                    "itl_p50_ms": percentile(&mut l.itl.clone(), 50.0) * 1e3,
+                    "itl_p99_ms": percentile(&mut l.itl.clone(), 99.0) * 1e3,
+                })).collect::<Vec<_>>(),
+                "prompt_tokens": r.prompts.iter().map(|p| json!({
+                    "prompt_tokens": p.tokens,
+                    "server_prompt_tokens": p.server_tokens,
+                    "ttft_ms": p.ttft.iter().map(|t| t * 1e3).collect::<Vec<_>>(),
+                    "ttft_p50_ms": median_ms(&p.ttft),
+                    "decode_tok_s_p50": bench_curves::median(&mut p.decode_tok_s.clone()),
+                    "failed": p.failed,
+                })).collect::<Vec<_>>(),
+                "pool": r.pool.iter().map(|s| json!([s.t, s.worker, s.used, s.total]))
+                    .collect::<Vec<_>>(),
+                "markers": r.markers,
+            })
+        })
+        .collect();
+    json!({
+        "machine": { "cores": machine.cores, "cpu": machine.cpu },
+        "load_average_1min": loads,
+        "threads": args.model.threads(),
+        "max_tokens": args.max_tokens,
+        "requests_per_level": args.requests,
+        "prompt_words": args.prompt_words,
+        "prompt_requests": args.prompt_requests,
+        "prompt_max_tokens": args.prompt_max_tokens,
+        "seed": args.seed,
+        "targets": targets,
+        "transfer": transfer.map(|t| json!({
+            "layout": {
+                "layers": t.layout.layer_count,
+                "kv_heads": t.layout.kv_head_count,
+                "head_dim": t.layout.head_dim,
+                "page_size_tokens": t.layout.page_size_tokens,
+                "page_bytes": t.layout.page_bytes(),
+            },
+            "memcpy_gb_s": t.memcpy_gb_s,
+            "xxh3_gb_s": t.xxh3_gb_s,
+            "points": t.points.iter().map(|p| json!({
+                "tokens": p.tokens,
+                "pages": p.pages,
+                "bytes": p.bytes,
+                "seconds": p.seconds,
+                "pack_seconds": p.pack_seconds,
+                "gb_s": p.gb_per_s(),
+            })).collect::<Vec<_>>(),
+        })),
+    })
 }
 
 /// Guarded vs unguarded, alternating, one concurrency level: per-pair differences and their
@@ -461,8 +1228,14 @@ fn run_ab(args: &Args, prompts: &[String], runtime: &tokio::runtime::Runtime) ->
         let mut measured = Vec::new();
         for binary in [guarded, unguarded] {
             let server = Server::start_serve(binary, args)?;
-            let reports =
-                runtime.block_on(measure(&server.url, &server.model_id, prompts, &level))?;
+            let reports = runtime.block_on(measure(
+                &server.url,
+                &server.model_id,
+                prompts,
+                &level,
+                Instant::now(),
+                &mut Vec::new(),
+            ))?;
             drop(server);
             let report = &reports[0];
             if report.failed > 0 {

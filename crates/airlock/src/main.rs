@@ -1,7 +1,10 @@
 //! `airlock`: the command-line entry point. One module per subcommand; glue only.
 
 mod bench;
+mod bench_curves;
 mod bench_model;
+mod bench_plot;
+mod canary;
 mod config_file;
 mod generate;
 mod model_path;
@@ -36,6 +39,10 @@ enum Command {
     /// Load-test OpenAI-compatible endpoints (ours and llama.cpp's, started in turn, or any
     /// URL): output tokens/s, TTFT and inter-token latency per concurrency level.
     Bench(bench::Args),
+    /// Audit any OpenAI-compatible endpoint for cross-tenant leaks: tenants send prompts
+    /// carrying their own canary markers and every answer is scanned for another tenant's;
+    /// requests that must fail are checked to get a 4xx. Exits 1 on a leak or a wrong 200.
+    Canary(canary::Args),
     /// Check a deployment's KV capacity against its context length, node by node (from a
     /// TOML file, or a running router's /health); exits non-zero if any node fails.
     Preflight(preflight::Args),
@@ -89,6 +96,7 @@ fn run() -> anyhow::Result<()> {
         Command::Decode(args) => serve::decode(args),
         Command::Unified(args) => serve::unified(args),
         Command::Bench(args) => bench::run(args),
+        Command::Canary(args) => canary::run(args),
         Command::Preflight(args) => preflight::run(args),
         Command::Generate(args) => generate::run(args),
         Command::BenchModel(args) => bench_model::run(args),

@@ -236,7 +236,15 @@ impl ModelFile {
     }
 
     /// A worker's pool and context length from its flags, or the refusal to start (I8).
-    fn plan(&self, args: &CommonArgs, weight_bytes: u64) -> Result<(PoolPlan, u64)> {
+    ///
+    /// `preflight: false` (a fault-injection build told `no-admission`) skips the refusal and
+    /// takes the context length as given, as the incident's misconfigured node did.
+    fn plan(
+        &self,
+        args: &CommonArgs,
+        weight_bytes: u64,
+        preflight: bool,
+    ) -> Result<(PoolPlan, u64)> {
         let page_size = u64::from(args.page_size);
         let context = args
             .context_length
@@ -258,8 +266,17 @@ impl ModelFile {
             KvBudget::Tokens(tokens)
         };
         let plan = config::plan_pool(&self.shape, page_size, budget)?;
-        let context_length =
-            config::resolve_context(&plan, &self.shape, context).map_err(RefusedToStart)?;
+        let context_length = match config::resolve_context(&plan, &self.shape, context) {
+            Ok(context_length) => context_length,
+            Err(_) if !preflight => {
+                let ContextSetting::Tokens(tokens) = context else {
+                    bail!("no-admission needs an explicit --context-length");
+                };
+                eprintln!("airlock: FAULT INJECTION: start-up capacity check (I8) skipped");
+                tokens
+            }
+            Err(error) => return Err(RefusedToStart(error).into()),
+        };
         if context == ContextSetting::Auto {
             tracing::info!(
                 context_length,
@@ -318,7 +335,9 @@ fn load_worker(
     let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
         .with_context(|| format!("loading {}", file.path.display()))?;
     let model = loaded.model;
-    let (plan, context_length) = file.plan(args, model.weight_bytes() as u64)?;
+    let faults = worker::FaultPlan::from_env(role)?;
+    let preflight = faults.admission_checked();
+    let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
     let layout = model.config().kv_layout(args.page_size as usize);
     let pool = PagePool::new(PoolConfig {
         layout,
@@ -358,6 +377,7 @@ fn load_worker(
         transfer_timeout: Duration::from_millis(args.transfer_timeout_ms),
         step_tokens: args.step_tokens.max(1),
         max_batch: args.max_batch.max(1),
+        faults,
     };
     Ok((config, model, loaded.tokenizer, pool))
 }

@@ -29,6 +29,10 @@ pub struct PagePool {
     /// LIFO: the most recently freed page is reused first, which makes a stale read show up
     /// at once in tests instead of hiding behind untouched pages.
     free: Vec<PageId>,
+    /// Test builds only: the owner/generation compare on reads is switched off at run time,
+    /// to show what the guard stops.
+    #[cfg(feature = "fault-injection")]
+    owner_check_off: bool,
 }
 
 /// One page's KV bytes and how many of its token slots the current owner has written.
@@ -90,8 +94,8 @@ struct Claim {
 }
 
 impl PagePool {
-    /// Preallocates and zeroes every page. Pages are never zeroed again unless
-    /// `scrub_on_free` is set.
+    /// Preallocates every page, zeroed (or filled with [`SCRUB_FILL`] when `scrub_on_free` is
+    /// set). Pages are never cleared again unless `scrub_on_free` is set.
     pub fn new(config: PoolConfig) -> Result<PagePool> {
         let layout = config.layout;
         let page_bytes = layout.checked_page_bytes().ok_or(Error::BadLayout {
@@ -117,6 +121,11 @@ impl PagePool {
             });
         }
         let page_elems = layout.page_elems();
+        let initial_fill = if config.scrub_on_free {
+            SCRUB_FILL
+        } else {
+            f16::ZERO
+        };
         let header = PageHeader {
             owner: None,
             generation: Generation(0),
@@ -128,13 +137,32 @@ impl PagePool {
             headers: vec![header; page_count],
             storage: (0..page_count)
                 .map(|_| Page {
-                    data: vec![f16::ZERO; page_elems].into_boxed_slice(),
+                    // Scrubbing pools start scrubbed, so a never-used page looks like a freed
+                    // one (the ghost value under `ghost-fill`): a zeroed pool hides stale reads.
+                    data: vec![initial_fill; page_elems].into_boxed_slice(),
                     written_tokens: 0,
                 })
                 .collect(),
             // Reversed so that a fresh pool hands out page 0 first.
             free: (0..page_count as u32).rev().map(PageId).collect(),
+            #[cfg(feature = "fault-injection")]
+            owner_check_off: false,
         })
+    }
+
+    /// Test builds only (`fault-injection`): switch the owner/generation compare on reads
+    /// off (or back on), to show that the guard is what stops a stale or foreign read.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_owner_check_for_test(&mut self, on: bool) {
+        self.owner_check_off = !on;
+    }
+
+    fn owner_check_skipped(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.owner_check_off {
+            return true;
+        }
+        cfg!(feature = "unguarded-owner-check")
     }
 
     pub fn layout(&self) -> &KvLayout {
@@ -417,9 +445,9 @@ impl PagePool {
             .headers
             .get(page.index())
             .ok_or(Error::UnknownPage { page })?;
-        // Benchmark builds only (`unguarded-owner-check`): the per-step read checks go, to
-        // measure what they cost. Release and state changes keep theirs.
-        let skip = cfg!(feature = "unguarded-owner-check") && access != Access::Header;
+        // Benchmark builds only (`unguarded-owner-check`) and fault-injection test runs: the
+        // per-step read checks go. Release and state changes keep theirs.
+        let skip = self.owner_check_skipped() && access != Access::Header;
         if !skip && header.generation != generation {
             return Err(Error::StaleGeneration {
                 page,

@@ -258,6 +258,26 @@ fn i1_stale_table_fails_after_its_page_is_reused() {
     assert_eq!(views[0].layout(), &LAYOUT);
 }
 
+/// The canary for the test above: with the owner/generation compare switched off (test
+/// builds only), the same stale table reads the new owner's bytes. So the compare is what
+/// stops that read.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn i1_with_the_owner_check_off_a_stale_table_reads_the_new_owners_bytes() {
+    let mut pool = pool(2, false);
+    let table_a = pool.allocate(owner(1, 1), 4).expect("fits");
+    let kept_a = table_a.clone();
+    pool.release(table_a).expect("A owns its page");
+    let table_b = pool.allocate(owner(2, 2), 4).expect("fits");
+    let secret = f16::from_f32(42.0);
+    fill(&mut pool, &table_b, secret);
+    pool.set_owner_check_for_test(false);
+    let leaked = read_all(&mut pool, &kept_a);
+    assert!(leaked.iter().all(|&v| v == secret), "A reads B's bytes");
+    pool.set_owner_check_for_test(true);
+    assert!(pool.verify_batch(&[&kept_a]).is_err());
+}
+
 #[test]
 fn i1_forged_table_claiming_another_owners_page_fails() {
     let mut pool = pool(2, false);

@@ -38,6 +38,98 @@ struct Buffers {
     acts: QuantActs,
 }
 
+/// What a worker runs its forward steps with: the real [`Model`], or in tests the
+/// [`crate::OracleModel`], whose output says exactly which KV entries it read.
+pub trait Forward: Send + 'static {
+    /// Runs one step for every sequence in `steps` and returns the logits of each step that
+    /// asked for them, in order. Implementations reach K/V only through [`checked_views`].
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>>;
+    /// The page shape a pool must have to hold this model's KV.
+    fn kv_layout(&self, page_size_tokens: usize) -> kv::KvLayout;
+    /// Bytes of weights held in memory (reported at the handshake and in `/health`).
+    fn weight_bytes(&self) -> usize;
+}
+
+impl Forward for Model {
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+        Model::forward(self, pool, steps)
+    }
+
+    fn kv_layout(&self, page_size_tokens: usize) -> kv::KvLayout {
+        self.config.kv_layout(page_size_tokens)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        Model::weight_bytes(self)
+    }
+}
+
+/// The one road from a step to K/V, for every [`Forward`]: checks the steps' tokens and
+/// positions, checks the pool's shape, verifies every page table against the pool's headers
+/// (I1: a stale, foreign or freed page fails the whole step), and refuses a step that would
+/// attend to slots its owner never wrote.
+pub(crate) fn checked_views<'p>(
+    pool: &'p mut PagePool,
+    steps: &[SeqStep],
+    vocab_size: usize,
+    context_length: usize,
+    expected_layout: kv::KvLayout,
+) -> Result<Vec<PageView<'p>>> {
+    check_steps(steps, vocab_size, context_length)?;
+    if *pool.layout() != expected_layout {
+        return Err(Error::Unsupported(format!(
+            "pool layout {:?} does not fit this model ({expected_layout:?})",
+            pool.layout()
+        )));
+    }
+    let tables: Vec<&PageTable> = steps.iter().map(|s| s.table).collect();
+    let views = pool.verify_batch(&tables)?;
+    for (step, view) in steps.iter().zip(&views) {
+        let needed = step.start_pos + step.tokens.len();
+        if needed > view.capacity_tokens() {
+            let capacity = view.capacity_tokens();
+            return Err(Error::PageTableTooSmall { needed, capacity });
+        }
+        // Slots past what this owner wrote hold an earlier owner's K/V: attending to them
+        // would answer from someone else's memory.
+        if step.start_pos > view.written_tokens() {
+            let written = view.written_tokens();
+            return Err(Error::UnwrittenPositions {
+                start_pos: step.start_pos,
+                written,
+            });
+        }
+    }
+    Ok(views)
+}
+
+/// Records what a step wrote, after it ran.
+pub(crate) fn mark_steps_written(steps: &[SeqStep], views: &mut [PageView]) {
+    for (step, view) in steps.iter().zip(views) {
+        let end = step.start_pos + step.tokens.len();
+        view.mark_written(end.max(view.written_tokens()));
+    }
+}
+
+fn check_steps(steps: &[SeqStep], vocab_size: usize, context_length: usize) -> Result<()> {
+    for (index, step) in steps.iter().enumerate() {
+        if step.tokens.is_empty() {
+            return Err(Error::EmptyStep { index });
+        }
+        if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(Error::TokenOutOfRange { token, vocab_size });
+        }
+        let end = step.start_pos + step.tokens.len();
+        if end > context_length {
+            return Err(Error::ContextOverflow {
+                position: end - 1,
+                context_length,
+            });
+        }
+    }
+    Ok(())
+}
+
 impl Model {
     /// Runs one step for every sequence in `steps` and returns the logits of each step that
     /// asked for them, in order. Every page table is verified against the pool's headers before
@@ -46,59 +138,12 @@ impl Model {
         if steps.is_empty() {
             return Ok(Vec::new());
         }
-        self.check_steps(steps)?;
-        let expected_layout = self.config.kv_layout(pool.layout().page_size_tokens);
-        if *pool.layout() != expected_layout {
-            return Err(Error::Unsupported(format!(
-                "pool layout {:?} does not fit this model ({expected_layout:?})",
-                pool.layout()
-            )));
-        }
-        let tables: Vec<&PageTable> = steps.iter().map(|s| s.table).collect();
-        let mut views = pool.verify_batch(&tables)?;
-        for (step, view) in steps.iter().zip(&views) {
-            let needed = step.start_pos + step.tokens.len();
-            if needed > view.capacity_tokens() {
-                let capacity = view.capacity_tokens();
-                return Err(Error::PageTableTooSmall { needed, capacity });
-            }
-            // Slots past what this owner wrote hold an earlier owner's K/V: attending to them
-            // would answer from someone else's memory.
-            if step.start_pos > view.written_tokens() {
-                let written = view.written_tokens();
-                return Err(Error::UnwrittenPositions {
-                    start_pos: step.start_pos,
-                    written,
-                });
-            }
-        }
+        let layout = self.config.kv_layout(pool.layout().page_size_tokens);
+        let c = &self.config;
+        let mut views = checked_views(pool, steps, c.vocab_size, c.context_length, layout)?;
         let logits = self.run(steps, &mut views)?;
-        for (step, view) in steps.iter().zip(&mut views) {
-            let end = step.start_pos + step.tokens.len();
-            view.mark_written(end.max(view.written_tokens()));
-        }
+        mark_steps_written(steps, &mut views);
         Ok(logits)
-    }
-
-    fn check_steps(&self, steps: &[SeqStep]) -> Result<()> {
-        let vocab_size = self.config.vocab_size;
-        for (index, step) in steps.iter().enumerate() {
-            if step.tokens.is_empty() {
-                return Err(Error::EmptyStep { index });
-            }
-            if let Some(&token) = step.tokens.iter().find(|&&t| t as usize >= vocab_size) {
-                return Err(Error::TokenOutOfRange { token, vocab_size });
-            }
-            let end = step.start_pos + step.tokens.len();
-            if end > self.config.context_length {
-                let context_length = self.config.context_length;
-                return Err(Error::ContextOverflow {
-                    position: end - 1,
-                    context_length,
-                });
-            }
-        }
-        Ok(())
     }
 
     fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Result<Vec<Vec<f32>>> {

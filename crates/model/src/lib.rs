@@ -13,15 +13,17 @@ mod error;
 mod forward;
 mod generate;
 mod load;
+mod oracle;
 mod sampling;
 mod stop;
 
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
-pub use forward::SeqStep;
+pub use forward::{Forward, SeqStep};
 pub use generate::{
     generate, take_complete_utf8, FinishReason, GenerateRequest, GenerateStats, Generated,
 };
 pub use load::{LoadOptions, LoadProgress, Loaded, Model};
+pub use oracle::OracleModel;
 pub use sampling::{Sampler, SamplingParams};
 pub use stop::StopMatcher;

@@ -14,7 +14,12 @@ pub enum ApiError {
         param: Option<&'static str>,
     },
     /// 400: prompt + max_tokens over the context length or a worker's whole pool.
-    ContextLengthExceeded { message: String },
+    /// `param` names what to change: the prompt (`messages` or `prompt`) when it alone is too
+    /// long, else `max_tokens`.
+    ContextLengthExceeded {
+        message: String,
+        param: &'static str,
+    },
     /// 401
     Unauthorized,
     /// 404: the model named is not the one served.
@@ -33,7 +38,7 @@ pub enum ApiError {
     Overloaded { message: String },
     /// 503: no worker of a needed role is connected.
     NoWorkers { message: String },
-    /// 502: a KV transfer failed verification or its link broke.
+    /// 503: a KV transfer failed verification or its link broke (retryable, TEST-MATRIX).
     TransferFailed { message: String },
     /// 504: a transfer or the first token took too long.
     Timeout { message: String },
@@ -68,7 +73,7 @@ impl ApiError {
             ApiError::RateLimited { .. } => (429, "rate_limit_error", "rate_limit_exceeded"),
             ApiError::Overloaded { .. } => (503, "server_error", "overloaded"),
             ApiError::NoWorkers { .. } => (503, "server_error", "no_workers"),
-            ApiError::TransferFailed { .. } => (502, "server_error", "kv_transfer_failed"),
+            ApiError::TransferFailed { .. } => (503, "server_error", "kv_transfer_failed"),
             ApiError::Timeout { .. } => (504, "server_error", "timeout"),
             ApiError::Cancelled => (499, "server_error", "request_cancelled"),
             ApiError::Internal => (500, "server_error", "internal_error"),
@@ -91,7 +96,7 @@ impl ApiError {
     pub fn message(&self) -> String {
         match self {
             ApiError::InvalidRequest { message, .. }
-            | ApiError::ContextLengthExceeded { message }
+            | ApiError::ContextLengthExceeded { message, .. }
             | ApiError::RateLimited { message }
             | ApiError::Overloaded { message }
             | ApiError::NoWorkers { message }
@@ -123,7 +128,7 @@ impl ApiError {
         let row = self.row();
         let param = match self {
             ApiError::InvalidRequest { param, .. } => *param,
-            ApiError::ContextLengthExceeded { .. } => Some("messages"),
+            ApiError::ContextLengthExceeded { param, .. } => Some(*param),
             ApiError::ModelNotFound { .. } => Some("model"),
             _ => None,
         };
@@ -146,7 +151,10 @@ impl ApiError {
     pub fn from_failure(failure: Failure, message: String) -> ApiError {
         match failure {
             Failure::ContextLengthExceeded | Failure::PoolTooSmall => {
-                ApiError::ContextLengthExceeded { message }
+                ApiError::ContextLengthExceeded {
+                    message,
+                    param: "max_tokens",
+                }
             }
             Failure::BadRequest => ApiError::InvalidRequest {
                 message,

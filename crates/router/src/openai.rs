@@ -18,6 +18,18 @@ pub enum Endpoint {
     Completions,
 }
 
+impl Endpoint {
+    /// What a request over a token limit must change: the prompt's field when the prompt
+    /// alone is over `limit`, else `max_tokens`.
+    pub fn param_over_limit(self, prompt_tokens: usize, limit: usize) -> &'static str {
+        match self {
+            _ if prompt_tokens < limit => "max_tokens",
+            Endpoint::Chat => "messages",
+            Endpoint::Completions => "prompt",
+        }
+    }
+}
+
 #[derive(Deserialize)]
 pub struct ChatRequest {
     model: String,
@@ -290,6 +302,7 @@ fn build_job(
     let total = (prompt_tokens as i64).saturating_add(max_tokens);
     if total > context_length as i64 {
         return Err(ApiError::ContextLengthExceeded {
+            param: endpoint.param_over_limit(prompt_tokens, context_length),
             message: format!(
                 "this model's maximum context length is {context_length} tokens, but you \
                  asked for {total} ({prompt_tokens} in the prompt + {max_tokens} max_tokens); \

@@ -223,6 +223,9 @@ fn admit(state: &AppState, job: &Job) -> Result<(), ApiError> {
         };
         if total > context_length as usize {
             return Err(ApiError::ContextLengthExceeded {
+                param: job
+                    .endpoint
+                    .param_over_limit(prompt_tokens, context_length as usize),
                 message: format!(
                     "the {} workers' context length is {context_length} tokens, but you asked \
                      for {total} ({prompt_tokens} in the prompt + {} max_tokens); shorten the \
@@ -234,6 +237,9 @@ fn admit(state: &AppState, job: &Job) -> Result<(), ApiError> {
         }
         if needed as u64 > capacity {
             return Err(ApiError::ContextLengthExceeded {
+                param: job
+                    .endpoint
+                    .param_over_limit(prompt_tokens, capacity as usize),
                 message: format!(
                     "this request needs {needed} tokens of KV on a {} worker, whose whole pool \
                      holds {capacity} ({prompt_tokens} in the prompt + {} max_tokens); shorten \

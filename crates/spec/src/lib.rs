@@ -1,18 +1,22 @@
-//! A checked model of the KV-transfer protocol and the decode page pool (issue 5, first part),
-//! explored exhaustively by `stateright` within small bounds.
+//! A checked model of the KV-transfer protocol and the decode page pool (issue 5), explored
+//! exhaustively by `stateright` within small bounds.
 //!
 //! The model has a router, a prefill and a decode worker and two requests of two tenants that
 //! compete for a three-page decode pool. Its receiving side runs the real verification code:
 //! `transfer::Inbound` (which frames a reservation accepts, when `Done` may seal) and
-//! `transfer::transfer_checksum`; pages, generations and the owner check are a small copy of
-//! `kv::PagePool`'s rules (see ARCHITECTURE.md for the mapping). Faults are actions: message
-//! loss, duplication, reordering (the network is a multiset), corruption, a link reset, a
-//! client disconnect, a retry that reuses the request's identity, and a request too large for
-//! the pool (the incident).
+//! `transfer::transfer_checksum`; the page rules are a copy of `kv::PagePool`'s ([`pages`]),
+//! tested against the real pool operation by operation. Faults are actions: message loss,
+//! duplication, reordering (the network is a multiset), corruption, a link reset, a crash and
+//! restart, a client disconnect, a retry that reuses the request's identity, and the incident's
+//! placeholder transfer. Two transports: the framed one the code has, and a design model of a
+//! one-sided (RDMA-write) one, where posted writes land without looking at page headers and
+//! only the quiescence protocol keeps them out of reused pages.
 //!
 //! Each guard has a mutant that removes it; `tests/` asserts the checker finds a
-//! counterexample for the property it protects, and none without the mutant.
+//! counterexample for the property it protects, and none without the mutant. See
+//! ARCHITECTURE.md for how each action maps to the code.
 
 pub mod model;
+pub mod pages;
 
-pub use model::{Faults, Mutant, RequestSpec, TransferSpec};
+pub use model::{Faults, Mutant, RequestSpec, TransferSpec, Transport};

@@ -1,13 +1,16 @@
 //! The model: state, actions (including faults), properties.
 
-use kv::{RequestId, TenantId};
+use kv::{PageState, RequestId, TenantId};
 use stateright::{Model, Property};
-use transfer::{transfer_checksum, Inbound, TransferDone, TransferId};
+use transfer::{transfer_checksum, Inbound, Reject, TransferDone, TransferId};
+
+use crate::pages::{Access, Pool, Table};
 
 /// A guard removed on purpose, to show the checker notices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mutant {
-    /// Writes and reads skip the page owner/generation comparison.
+    /// Byte and receive access skip the page owner/generation compare (kv's benchmark-only
+    /// `unguarded-owner-check` feature).
     NoOwnerCheck,
     /// Allocation does not bump the page generation.
     NoGenerationBump,
@@ -17,8 +20,31 @@ pub enum Mutant {
     NoLengthCheck,
     /// Prefill frees its pages as soon as it has sent them, not on decode's answer.
     NoDeferredRelease,
-    /// The router admits a request larger than the pool, and decode gives it what it can.
+    /// Neither the router nor the engine refuses a request larger than the pool.
     NoAdmission,
+    /// One-sided transport: prefill answers decode's abort at once, while writes it posted
+    /// may still land.
+    AbortAckBeforeQuiescence,
+    /// One-sided transport: decode frees an aborted or timed-out reservation at once, as the
+    /// framed engine does (safe there only because a frame lands through the reservation).
+    ImmediateRelease,
+}
+
+/// How page bytes get from prefill into decode's pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// The code today: prefill copies its pages into `Page` frames on a link; decode writes a
+    /// frame's bytes only through the live reservation (`Engine::page`, `verify_receiving`),
+    /// so a frame of a dropped reservation touches nothing and decode may free at once.
+    Framed,
+    /// A design model of the zero-copy (RDMA-write) transport that the `Sending` /
+    /// `Quarantined` states and deferred release exist for, not implemented: prefill posts
+    /// writes straight into decode's pages, and a posted write lands whatever the page's
+    /// header says until prefill has seen it complete. Prefill sends `Done` only after its
+    /// writes completed; decode, aborting, quarantines the reservation and asks prefill to
+    /// stop (`WriteAbort`), and frees it on prefill's `WriteAbortAck` (sent once prefill's
+    /// writes have quiesced) or when the link is gone.
+    OneSided,
 }
 
 /// How many of each fault the checker may inject on one path.
@@ -63,6 +89,7 @@ pub struct TransferSpec {
     /// Pages in the decode pool.
     pub pool_pages: u8,
     pub requests: Vec<RequestSpec>,
+    pub transport: Transport,
     pub faults: Faults,
     pub mutant: Option<Mutant>,
 }
@@ -76,55 +103,81 @@ pub enum Content {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PageState {
-    Free,
-    Receiving,
-    Sealed,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Page {
-    pub owner: Option<u8>,
-    pub generation: u8,
-    pub state: PageState,
-    pub content: Content,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RouterPhase {
     Idle,
+    /// Submitted to decode, waiting in its queue for pages.
     WaitingDecode,
+    /// Decode reserved pages and prefill runs; no response headers yet.
     WaitingStart,
+    /// `Started` arrived: 200 headers are out.
     Streaming,
     Ended,
 }
 
-/// (page, generation recorded at allocation).
-type Table = Vec<(u8, u8)>;
-
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum DecodePhase {
     Idle,
-    Receiving { table: Table, inbound: Inbound },
-    Decoding { table: Table },
+    Receiving {
+        table: Table,
+        inbound: Inbound,
+    },
+    Decoding {
+        table: Table,
+    },
+    /// One-sided only: aborted, pages `Quarantined` until prefill's `WriteAbortAck` or the
+    /// link is gone.
+    Quarantined {
+        table: Table,
+    },
+}
+
+impl DecodePhase {
+    fn table(&self) -> Option<&Table> {
+        match self {
+            DecodePhase::Idle => None,
+            DecodePhase::Receiving { table, .. }
+            | DecodePhase::Decoding { table }
+            | DecodePhase::Quarantined { table } => Some(table),
+        }
+    }
+}
+
+/// Prefill's side of the current attempt. Anything but `Idle` holds its source pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PrefillPhase {
+    Idle,
+    /// One-sided: writes posted for this many pages, `Done` not sent yet.
+    Writing {
+        pages: u8,
+    },
+    /// Pages (or writes) and `Done` sent; waiting for decode's answer.
+    Sent,
+    /// One-sided: decode asked to stop; waiting for the posted writes to complete.
+    Aborting,
+}
+
+/// A table an earlier attempt released: what a stale reference would still point at.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Stale {
+    pub attempt: u8,
+    pub table: Table,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Request {
     pub router: RouterPhase,
     pub attempt: u8,
-    /// Answers the client got for the current attempt (I6: at most one).
+    /// Answers the client got for the current attempt (I6: exactly one).
     pub responses: u8,
     pub decode: DecodePhase,
-    /// Prefill holds the request's source pages.
-    pub prefill_holds: bool,
-    /// A table an earlier attempt left behind: what a stale reference would still point at.
-    pub stale: Option<(u8, Table)>,
+    pub prefill: PrefillPhase,
+    pub stale: Option<Stale>,
 }
 
 /// Messages between prefill and decode; the network is an unordered multiset.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Msg {
+    /// Framed: one page's bytes.
     Page {
         request: u8,
         attempt: u8,
@@ -137,38 +190,69 @@ pub enum Msg {
         pages: u8,
         checksum: u64,
     },
-    Abort {
-        request: u8,
-        attempt: u8,
-    },
-    Ack {
-        request: u8,
-        attempt: u8,
-    },
-    Nack {
-        request: u8,
-        attempt: u8,
-    },
-    AbortAck {
-        request: u8,
-        attempt: u8,
-    },
+    /// Framed, prefill → decode (`Frame::TransferAbort`).
+    TransferAbort { request: u8, attempt: u8 },
+    /// Decode → prefill.
+    Ack { request: u8, attempt: u8 },
+    /// Decode → prefill.
+    Nack { request: u8, attempt: u8 },
+    /// Framed, decode → prefill: decode dropped the reservation.
+    AbortAck { request: u8, attempt: u8 },
+    /// One-sided, decode → prefill: stop writing into the reservation.
+    WriteAbort { request: u8, attempt: u8 },
+    /// One-sided, prefill → decode: every write prefill posted for the transfer is over.
+    WriteAbortAck { request: u8, attempt: u8 },
+}
+
+/// One-sided: a write prefill posted into one of decode's pages, not landed yet.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Write {
+    pub request: u8,
+    pub attempt: u8,
+    pub index: u8,
+    pub page: u8,
+    pub generation: u8,
+    pub content: Content,
+}
+
+/// Flags set by the action that breaks an invariant; every one stays false in a correct model.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Ghost {
+    pub read_foreign: bool,
+    pub read_corrupt: bool,
+    pub bad_commit: bool,
+    pub committed_after_end: bool,
+    pub wrote_foreign: bool,
+    pub freed_under_writer: bool,
+    pub released_early: bool,
+    pub generation_reused: bool,
+    pub wrong_answer: bool,
+    /// An `.expect()` of the engine would have fired (a reservation's own pages failed to
+    /// verify, release, or change state).
+    pub engine_panic: bool,
+}
+
+/// Things that happened in the step that led to a state, for the `sometimes` properties.
+/// Cleared at every step, so they do not multiply the states that follow.
+pub mod event {
+    pub const COMPLETED: u16 = 1;
+    pub const STALE_REFUSED: u16 = 1 << 1;
+    pub const CORRUPTION_CAUGHT: u16 = 1 << 2;
+    pub const CRASH_MID_TRANSFER: u16 = 1 << 3;
+    pub const LANDED_IN_QUARANTINE: u16 = 1 << 4;
+    pub const QUARANTINE_FREED_FOR_WAITER: u16 = 1 << 5;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct State {
-    pub pages: Vec<Page>,
+    pub pool: Pool,
+    pub content: Vec<Content>,
     pub requests: Vec<Request>,
     pub net: Vec<Msg>,
+    pub writes: Vec<Write>,
     pub faults: Faults,
-    // Ghost flags, set by the action that breaks an invariant.
-    pub read_foreign: bool,
-    pub read_corrupt: bool,
-    pub wrote_foreign: bool,
-    pub released_early: bool,
-    pub over_capacity: bool,
-    pub stale_refused: bool,
-    pub completed: bool,
+    pub ghost: Ghost,
+    pub events: u16,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -178,6 +262,12 @@ pub enum Action {
     /// Reserve, with the incident's placeholder transfer from prefill.
     ReservePlaceholder(u8),
     Deliver(usize),
+    /// One-sided: a posted write lands.
+    Land(usize),
+    /// One-sided: prefill's writes completed; it sends `Done`.
+    SendDone(u8),
+    /// One-sided: prefill's writes quiesced after decode's `WriteAbort`; it answers.
+    AckAbort(u8),
     DecodeStep(u8),
     Timeout(u8),
     Disconnect(u8),
@@ -185,9 +275,38 @@ pub enum Action {
     Drop(usize),
     Duplicate(usize),
     Corrupt(usize),
+    CorruptWrite(usize),
     LinkReset,
     CrashPrefill,
     CrashDecode,
+}
+
+impl Action {
+    /// The action, with the message or write it picks (an index into `state`) spelled out.
+    pub fn describe(&self, state: &State) -> String {
+        match *self {
+            Action::Deliver(i) => format!("Deliver {:?}", state.net[i]),
+            Action::Drop(i) => format!("Drop {:?}", state.net[i]),
+            Action::Duplicate(i) => format!("Duplicate {:?}", state.net[i]),
+            Action::Corrupt(i) => format!("Corrupt {:?}", state.net[i]),
+            Action::Land(i) => format!("Land {:?}", state.writes[i]),
+            Action::CorruptWrite(i) => format!("Corrupt {:?}", state.writes[i]),
+            ref other => format!("{other:?}"),
+        }
+    }
+}
+
+/// How a request's one answer ends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    /// 200 with a normal finish.
+    Ok,
+    /// 400 before any page: the request can never fit.
+    Rejected,
+    /// 5xx, or an SSE error event after the headers.
+    Failed,
+    /// The client went away.
+    Gone,
 }
 
 const PAGE_BYTES: usize = 3;
@@ -209,6 +328,19 @@ impl TransferSpec {
         self.mutant == Some(mutant)
     }
 
+    fn one_sided(&self) -> bool {
+        self.transport == Transport::OneSided
+    }
+
+    fn needed(&self, request: u8) -> u8 {
+        self.requests[request as usize].pages
+    }
+
+    /// A request the whole pool can never hold: admission must refuse it.
+    fn oversize(&self, request: u8) -> bool {
+        self.needed(request) > self.pool_pages
+    }
+
     fn tenant(&self, request: u8) -> TenantId {
         TenantId(u64::from(self.requests[request as usize].tenant))
     }
@@ -224,78 +356,126 @@ impl TransferSpec {
         }
     }
 
-    /// The owner/generation check of `kv::PagePool::verify_page`.
-    fn verify(&self, page: &Page, request: u8, generation: u8) -> bool {
-        self.has(Mutant::NoOwnerCheck)
-            || (page.owner == Some(request) && page.generation == generation)
+    /// The checksum prefill computes over the pages it sends (`Engine::send_pages`).
+    fn checksum(&self, request: u8, attempt: u8, pages: u8) -> u64 {
+        let done = self.done(request, attempt, pages);
+        let bytes = vec![content_bytes(Content::Data { request, attempt }); pages as usize];
+        transfer_checksum(&done, bytes.iter().map(|p| &p[..]))
     }
 
-    /// Frees a request's decode pages (through the check, as `PagePool::release` does).
+    /// The router answers the client, once.
+    fn end(&self, state: &mut State, request: u8, answer: Answer) {
+        let entry = &mut state.requests[request as usize];
+        if entry.router == RouterPhase::Ended {
+            return;
+        }
+        entry.router = RouterPhase::Ended;
+        entry.responses += 1;
+        // S11: a request that can never fit gets its 400 and nothing else; a 400 is only for
+        // such a request.
+        if (answer == Answer::Rejected) != self.oversize(request) {
+            state.ghost.wrong_answer = true;
+        }
+    }
+
+    /// Frees a request's decode pages through `PagePool::release`.
     fn release(&self, state: &mut State, request: u8, table: &Table) {
-        for &(page, generation) in table {
-            let entry = &mut state.pages[page as usize];
-            if entry.owner == Some(request) && entry.generation == generation {
-                entry.owner = None;
-                entry.state = PageState::Free;
-            }
+        if state.pool.release(request, table).is_err() {
+            // `Engine::end`: `expect("a request's own pages release")`.
+            state.ghost.engine_panic = true;
+        }
+        // S4: nothing may free a page a posted write can still land in.
+        if state
+            .writes
+            .iter()
+            .any(|w| table.contains(&(w.page, w.generation)))
+        {
+            state.ghost.freed_under_writer = true;
         }
         let attempt = state.requests[request as usize].attempt;
-        state.requests[request as usize].stale = Some((attempt, table.clone()));
+        state.requests[request as usize].stale = Some(Stale {
+            attempt,
+            table: table.clone(),
+        });
     }
 
-    /// The router answers the client once.
-    fn end(state: &mut State, request: u8) {
-        let entry = &mut state.requests[request as usize];
-        if entry.router != RouterPhase::Ended {
-            entry.router = RouterPhase::Ended;
-            entry.responses += 1;
+    fn set_state(&self, state: &mut State, request: u8, table: &Table, to: PageState) {
+        if state.pool.set_state(request, table, to).is_err() {
+            state.ghost.engine_panic = true;
         }
     }
 
-    /// Decode drops whatever it holds for the request and fails it.
-    fn fail_decode(&self, state: &mut State, request: u8) {
+    /// Decode ends what it holds for the request at once: the transfer failed verification,
+    /// or whatever could still write into the pages is known to be over (`Done` was sent
+    /// after the writes completed; the link is gone).
+    fn fail_decode(&self, state: &mut State, request: u8, answer: Answer) {
         let decode = std::mem::replace(
             &mut state.requests[request as usize].decode,
             DecodePhase::Idle,
         );
-        match decode {
-            DecodePhase::Receiving { table, .. } | DecodePhase::Decoding { table } => {
-                self.release(state, request, &table)
-            }
-            DecodePhase::Idle => {}
+        if let Some(table) = decode.table() {
+            self.release(state, request, table);
         }
-        TransferSpec::end(state, request);
+        self.end(state, request, answer);
     }
 
+    /// Decode gives up on the request (client gone, timeout). Framed: the same as a failure.
+    /// One-sided: a reservation still receiving is quarantined and prefill asked to stop;
+    /// the pages wait for its answer.
+    fn abort_decode(&self, state: &mut State, request: u8, answer: Answer) {
+        let entry = &state.requests[request as usize];
+        let receiving = matches!(entry.decode, DecodePhase::Receiving { .. });
+        if !self.one_sided() || !receiving || self.has(Mutant::ImmediateRelease) {
+            if !matches!(entry.decode, DecodePhase::Quarantined { .. }) {
+                self.fail_decode(state, request, answer);
+            }
+            self.end(state, request, answer);
+            return;
+        }
+        let attempt = entry.attempt;
+        let DecodePhase::Receiving { table, .. } = std::mem::replace(
+            &mut state.requests[request as usize].decode,
+            DecodePhase::Idle,
+        ) else {
+            unreachable!("checked above");
+        };
+        self.set_state(state, request, &table, PageState::Quarantined);
+        state.requests[request as usize].decode = DecodePhase::Quarantined { table };
+        state.net.push(Msg::WriteAbort { request, attempt });
+        self.end(state, request, answer);
+    }
+
+    /// Prefill frees its source pages.
     fn prefill_release(state: &mut State, request: u8, answered: bool) {
         let entry = &mut state.requests[request as usize];
-        if entry.prefill_holds {
-            entry.prefill_holds = false;
+        if entry.prefill != PrefillPhase::Idle {
+            entry.prefill = PrefillPhase::Idle;
             if !answered {
-                state.released_early = true;
+                state.ghost.released_early = true;
             }
         }
     }
 
+    fn writes_pending(state: &State, request: u8, attempt: u8) -> bool {
+        state
+            .writes
+            .iter()
+            .any(|w| w.request == request && w.attempt == attempt)
+    }
+
+    /// Decode reserves pages (`Engine::admit_queued` + `start`), the router asks prefill, and
+    /// prefill sends its pages (framed) or posts its writes (one-sided).
     fn reserve(&self, state: &mut State, request: u8, placeholder: bool) {
-        let needed = self.requests[request as usize].pages;
-        let free: Vec<u8> = (0..self.pool_pages)
-            .filter(|&p| state.pages[p as usize].state == PageState::Free)
-            .collect();
-        let taking = needed.min(free.len() as u8);
-        let mut table = Vec::new();
-        for &page in free.iter().take(taking as usize) {
-            let entry = &mut state.pages[page as usize];
-            if !self.has(Mutant::NoGenerationBump) {
-                entry.generation += 1;
-            }
-            entry.owner = Some(request);
-            entry.state = PageState::Receiving;
-            table.push((page, entry.generation));
+        let needed = self.needed(request);
+        let bump = !self.has(Mutant::NoGenerationBump);
+        let Ok(table) = state.pool.allocate(request, needed as usize, bump) else {
+            // The action is enabled only when the pages are free.
+            unreachable!("Reserve needs free pages");
+        };
+        if !bump {
+            state.ghost.generation_reused = true;
         }
-        if needed > self.pool_pages {
-            state.over_capacity = true;
-        }
+        self.set_state(state, request, &table, PageState::Receiving);
         let attempt = state.requests[request as usize].attempt;
         let inbound = Inbound::new(
             transfer_id(request, attempt),
@@ -305,31 +485,42 @@ impl TransferSpec {
             1,
             PAGE_BYTES,
         );
-        let entry = &mut state.requests[request as usize];
-        entry.decode = DecodePhase::Receiving { table, inbound };
-        entry.router = RouterPhase::WaitingStart;
-        // The router now asks prefill, which sends every page and `Done`.
-        entry.prefill_holds = true;
         let content = Content::Data { request, attempt };
         // The placeholder claims one page, and its checksum agrees with that claim.
         let sent = if placeholder { 1 } else { needed };
-        for index in 0..sent {
-            state.net.push(Msg::Page {
+        if self.one_sided() {
+            for index in 0..sent {
+                let (page, generation) = table[index as usize];
+                state.writes.push(Write {
+                    request,
+                    attempt,
+                    index,
+                    page,
+                    generation,
+                    content,
+                });
+            }
+            state.requests[request as usize].prefill = PrefillPhase::Writing { pages: sent };
+        } else {
+            for index in 0..sent {
+                state.net.push(Msg::Page {
+                    request,
+                    attempt,
+                    index,
+                    content,
+                });
+            }
+            state.net.push(Msg::Done {
                 request,
                 attempt,
-                index,
-                content,
+                pages: sent,
+                checksum: self.checksum(request, attempt, sent),
             });
+            state.requests[request as usize].prefill = PrefillPhase::Sent;
         }
-        let mut done = self.done(request, attempt, sent);
-        let pages = vec![content_bytes(content); sent as usize];
-        done.checksum = transfer_checksum(&done, pages.iter().map(|p| &p[..]));
-        state.net.push(Msg::Done {
-            request,
-            attempt,
-            pages: sent,
-            checksum: done.checksum,
-        });
+        let entry = &mut state.requests[request as usize];
+        entry.decode = DecodePhase::Receiving { table, inbound };
+        entry.router = RouterPhase::WaitingStart;
         if self.has(Mutant::NoDeferredRelease) {
             TransferSpec::prefill_release(state, request, false);
         }
@@ -342,32 +533,70 @@ impl TransferSpec {
                 attempt,
                 index,
                 content,
-            } => self.land_page(state, request, attempt, index, content),
+            } => self.land_frame(state, request, attempt, index, content),
             Msg::Done {
                 request,
                 attempt,
                 pages,
                 checksum,
             } => self.verify_done(state, request, attempt, pages, checksum),
-            Msg::Abort { request, attempt } => {
+            Msg::TransferAbort { request, attempt } => {
+                // `Engine::transfer_aborted`: end the reservation if it is live, answer anyway.
                 let entry = &state.requests[request as usize];
                 if entry.attempt == attempt && matches!(entry.decode, DecodePhase::Receiving { .. })
                 {
-                    self.fail_decode(state, request);
+                    self.fail_decode(state, request, Answer::Failed);
                 }
                 state.net.push(Msg::AbortAck { request, attempt });
             }
             Msg::Ack { request, attempt }
             | Msg::Nack { request, attempt }
             | Msg::AbortAck { request, attempt } => {
+                // `Engine::sent`: the receiver answered; prefill frees its pages.
                 if state.requests[request as usize].attempt == attempt {
                     TransferSpec::prefill_release(state, request, true);
+                }
+            }
+            Msg::WriteAbort { request, attempt } => {
+                let entry = &mut state.requests[request as usize];
+                let writing = matches!(entry.prefill, PrefillPhase::Writing { .. });
+                if entry.attempt == attempt && writing {
+                    if self.has(Mutant::AbortAckBeforeQuiescence) {
+                        state.net.push(Msg::WriteAbortAck { request, attempt });
+                        TransferSpec::prefill_release(state, request, true);
+                    } else {
+                        entry.prefill = PrefillPhase::Aborting;
+                    }
+                } else if entry.attempt != attempt || entry.prefill != PrefillPhase::Aborting {
+                    // `Done` went out only after the writes completed, or nothing was posted:
+                    // nothing of this transfer can land any more.
+                    if entry.attempt == attempt {
+                        TransferSpec::prefill_release(state, request, true);
+                    }
+                    state.net.push(Msg::WriteAbortAck { request, attempt });
+                }
+            }
+            Msg::WriteAbortAck { request, attempt } => {
+                let entry = &state.requests[request as usize];
+                if entry.attempt == attempt {
+                    if let DecodePhase::Quarantined { table } = entry.decode.clone() {
+                        state.requests[request as usize].decode = DecodePhase::Idle;
+                        self.release(state, request, &table);
+                        if state
+                            .requests
+                            .iter()
+                            .any(|r| r.router == RouterPhase::WaitingDecode)
+                        {
+                            state.events |= event::QUARANTINE_FREED_FOR_WAITER;
+                        }
+                    }
                 }
             }
         }
     }
 
-    fn land_page(&self, state: &mut State, request: u8, attempt: u8, index: u8, content: Content) {
+    /// Framed: a page frame arrives (`Engine::page`).
+    fn land_frame(&self, state: &mut State, request: u8, attempt: u8, index: u8, content: Content) {
         let current = state.requests[request as usize].attempt == attempt;
         let tenant = self.tenant(request);
         if current {
@@ -380,17 +609,25 @@ impl TransferSpec {
                     u32::from(index),
                     PAGE_BYTES,
                 );
-                if let Ok(slot) = verdict {
-                    if let Some(&(page, generation)) = table.get(slot) {
-                        let entry = &state.pages[page as usize];
-                        let writable =
-                            self.has(Mutant::NoOwnerCheck) || entry.state == PageState::Receiving;
-                        if writable && self.verify(entry, request, generation) {
-                            if entry.owner != Some(request) {
-                                state.wrote_foreign = true;
-                            }
-                            state.pages[page as usize].content = content;
+                match verdict {
+                    Ok(slot) => {
+                        let (page, _) = table[slot];
+                        let verified = state.pool.verify(
+                            &[(request, table)],
+                            Access::Receive,
+                            self.has(Mutant::NoOwnerCheck),
+                        );
+                        if verified.is_ok() {
+                            state.content[page as usize] = content;
+                        } else {
+                            // `expect("a reservation's own pages verify")`.
+                            state.ghost.engine_panic = true;
                         }
+                    }
+                    Err(_) => {
+                        // `Engine::reject`.
+                        state.net.push(Msg::Nack { request, attempt });
+                        self.fail_decode(state, request, Answer::Failed);
                     }
                 }
                 return;
@@ -400,26 +637,61 @@ impl TransferSpec {
         // reservation lookup; the model also lets it reach the pages through the table that
         // transfer used, as a stale reference would, so that the owner/generation check is
         // what must stop it.
-        let stale = state.requests[request as usize].stale.clone();
-        let Some((stale_attempt, table)) = stale else {
+        let Some(stale) = state.requests[request as usize].stale.clone() else {
             return;
         };
-        if stale_attempt != attempt {
+        if stale.attempt != attempt {
             return;
         }
-        if let Some(&(page, generation)) = table.get(index as usize) {
-            let entry = &state.pages[page as usize];
-            if self.verify(entry, request, generation) {
-                if entry.owner != Some(request) {
-                    state.wrote_foreign = true;
+        if let Some(&(page, generation)) = stale.table.get(index as usize) {
+            let claim = vec![(page, generation)];
+            let verified = state.pool.verify(
+                &[(request, &claim)],
+                Access::Receive,
+                self.has(Mutant::NoOwnerCheck),
+            );
+            if verified.is_ok() {
+                if foreign(state, request, attempt, page, generation) {
+                    state.ghost.wrote_foreign = true;
                 }
-                state.pages[page as usize].content = content;
+                state.content[page as usize] = content;
             } else {
-                state.stale_refused = true;
+                state.events |= event::STALE_REFUSED;
             }
         }
     }
 
+    /// One-sided: a posted write lands, whatever the page's header says (the NIC does not
+    /// look), and decode's completion for it goes through the reservation.
+    fn land_write(&self, state: &mut State, write: Write) {
+        if foreign(
+            state,
+            write.request,
+            write.attempt,
+            write.page,
+            write.generation,
+        ) {
+            state.ghost.wrote_foreign = true;
+        }
+        if state.pool.header(write.page).state == PageState::Quarantined {
+            state.events |= event::LANDED_IN_QUARANTINE;
+        }
+        state.content[write.page as usize] = write.content;
+        let tenant = self.tenant(write.request);
+        let entry = &mut state.requests[write.request as usize];
+        if entry.attempt == write.attempt {
+            if let DecodePhase::Receiving { inbound, .. } = &mut entry.decode {
+                let _ = inbound.accept_page(
+                    RequestId(u64::from(write.request)),
+                    tenant,
+                    u32::from(write.index),
+                    PAGE_BYTES,
+                );
+            }
+        }
+    }
+
+    /// `Engine::done`.
     fn verify_done(&self, state: &mut State, request: u8, attempt: u8, pages: u8, checksum: u64) {
         let entry = &state.requests[request as usize];
         let DecodePhase::Receiving { table, inbound } = &entry.decode else {
@@ -437,11 +709,22 @@ impl TransferSpec {
         } else {
             inbound.check_done(&done)
         };
+        if state
+            .pool
+            .verify(
+                &[(request, table)],
+                Access::Receive,
+                self.has(Mutant::NoOwnerCheck),
+            )
+            .is_err()
+        {
+            state.ghost.engine_panic = true;
+        }
         // Like the engine, hash the first `page_count` pages that `Done` names.
         let ours: Vec<[u8; PAGE_BYTES]> = table
             .iter()
             .take(pages as usize)
-            .map(|&(page, _)| content_bytes(state.pages[page as usize].content))
+            .map(|&(page, _)| content_bytes(state.content[page as usize]))
             .collect();
         let verified = length.and_then(|()| {
             if self.has(Mutant::NoChecksum) {
@@ -452,65 +735,158 @@ impl TransferSpec {
         let table = table.clone();
         match verified {
             Ok(()) => {
-                for &(page, _) in &table {
-                    state.pages[page as usize].state = PageState::Sealed;
+                // S2, judged by the model rather than by the code under test: every page the
+                // request needs is there, still its own, and holds this attempt's KV.
+                let whole = table.len() == self.needed(request) as usize
+                    && table.iter().all(|&(page, generation)| {
+                        let header = state.pool.header(page);
+                        header.owner == Some(request)
+                            && header.generation == generation
+                            && state.content[page as usize] == Content::Data { request, attempt }
+                    });
+                if !whole {
+                    state.ghost.bad_commit = true;
                 }
+                if state.requests[request as usize].router != RouterPhase::WaitingStart {
+                    state.ghost.committed_after_end = true;
+                }
+                self.set_state(state, request, &table, PageState::Sealed);
                 let entry = &mut state.requests[request as usize];
                 entry.decode = DecodePhase::Decoding { table };
-                if entry.router == RouterPhase::WaitingStart {
-                    entry.router = RouterPhase::Streaming;
-                }
+                entry.router = RouterPhase::Streaming;
                 state.net.push(Msg::Ack { request, attempt });
             }
-            Err(_) => {
+            Err(reject) => {
+                if reject == Reject::ChecksumMismatch {
+                    state.events |= event::CORRUPTION_CAUGHT;
+                }
                 state.net.push(Msg::Nack { request, attempt });
-                self.fail_decode(state, request);
+                self.fail_decode(state, request, Answer::Failed);
             }
         }
     }
 
+    /// One decode step reads every page of the request (`Model::forward` through
+    /// `verify_batch`), then the request finishes (`Engine::finish`).
     fn decode_step(&self, state: &mut State, request: u8) {
         let DecodePhase::Decoding { table } = state.requests[request as usize].decode.clone()
         else {
             return;
         };
         let attempt = state.requests[request as usize].attempt;
-        let mut refused = false;
-        for &(page, generation) in &table {
-            let entry = &state.pages[page as usize];
-            if !self.verify(entry, request, generation) {
-                // The forward pass refuses the step: the request fails, nothing is read.
-                refused = true;
-                break;
-            }
-        }
-        if !refused {
+        let verified = state.pool.verify(
+            &[(request, &table)],
+            Access::Bytes,
+            self.has(Mutant::NoOwnerCheck),
+        );
+        let mut answer = Answer::Failed;
+        if verified.is_ok() {
+            let mut clean = true;
             for &(page, _) in &table {
-                match state.pages[page as usize].content {
+                match state.content[page as usize] {
                     Content::Data {
                         request: r,
                         attempt: a,
                     } if r == request && a == attempt => {}
-                    Content::Data { .. } => state.read_foreign = true,
-                    Content::Empty | Content::Junk => state.read_corrupt = true,
+                    Content::Data { .. } => {
+                        state.ghost.read_foreign = true;
+                        clean = false;
+                    }
+                    Content::Empty | Content::Junk => {
+                        state.ghost.read_corrupt = true;
+                        clean = false;
+                    }
                 }
             }
-            if state.requests[request as usize].router == RouterPhase::Streaming {
-                state.completed = true;
+            if clean {
+                state.events |= event::COMPLETED;
             }
+            answer = Answer::Ok;
         }
         state.requests[request as usize].decode = DecodePhase::Idle;
         self.release(state, request, &table);
-        TransferSpec::end(state, request);
+        self.end(state, request, answer);
     }
 
+    /// Nothing in flight and nothing held: the state every run must come back to.
     fn quiescent(state: &State) -> bool {
         state.net.is_empty()
+            && state.writes.is_empty()
             && state.requests.iter().all(|r| {
                 matches!(r.router, RouterPhase::Idle | RouterPhase::Ended)
                     && r.decode == DecodePhase::Idle
-                    && !r.prefill_holds
+                    && r.prefill == PrefillPhase::Idle
             })
+    }
+
+    /// No action is enabled: where a bounded run ends, and where liveness is judged.
+    fn terminal(&self, state: &State) -> bool {
+        // Cheap exits first: nearly every state has something in flight.
+        if !state.net.is_empty() || !state.writes.is_empty() || state.faults.crashes > 0 {
+            return false;
+        }
+        let mut actions = Vec::new();
+        self.actions(state, &mut actions);
+        actions.is_empty()
+    }
+
+    /// S3: the pool's own bookkeeping agrees (free list and headers), and every allocated
+    /// page is held by exactly one request's decode table, the one its header names, at the
+    /// generation the table recorded; no request holds a page that is not its own.
+    fn single_ownership(state: &State) -> bool {
+        if !state.pool.consistent() {
+            return false;
+        }
+        let holds = |r: &Request, page: usize, generation: u8| {
+            r.decode
+                .table()
+                .is_some_and(|t| t.contains(&(page as u8, generation)))
+        };
+        let pages_ok = state.pool.headers().iter().enumerate().all(|(p, h)| {
+            h.owner.is_none_or(|owner| {
+                state
+                    .requests
+                    .iter()
+                    .enumerate()
+                    .all(|(r, entry)| holds(entry, p, h.generation) == (r as u8 == owner))
+            })
+        });
+        let tables_ok = state.requests.iter().enumerate().all(|(r, entry)| {
+            entry.decode.table().is_none_or(|table| {
+                table.iter().all(|&(page, generation)| {
+                    let header = state.pool.header(page);
+                    header.owner == Some(r as u8) && header.generation == generation
+                })
+            })
+        });
+        pages_ok && tables_ok
+    }
+
+    /// S7: a request that can never fit leaves no trace past the router.
+    fn rejected_untouched(&self, state: &State) -> bool {
+        (0..state.requests.len() as u8)
+            .filter(|&r| self.oversize(r))
+            .all(|r| {
+                let entry = &state.requests[r as usize];
+                entry.decode == DecodePhase::Idle
+                    && entry.prefill == PrefillPhase::Idle
+                    && state.pool.headers().iter().all(|h| h.owner != Some(r))
+                    && state.writes.iter().all(|w| w.request != r)
+                    && state.net.iter().all(|m| msg_request(m) != r)
+            })
+    }
+}
+
+fn msg_request(msg: &Msg) -> u8 {
+    match *msg {
+        Msg::Page { request, .. }
+        | Msg::Done { request, .. }
+        | Msg::TransferAbort { request, .. }
+        | Msg::Ack { request, .. }
+        | Msg::Nack { request, .. }
+        | Msg::AbortAck { request, .. }
+        | Msg::WriteAbort { request, .. }
+        | Msg::WriteAbortAck { request, .. } => request,
     }
 }
 
@@ -519,75 +895,62 @@ impl Model for TransferSpec {
     type Action = Action;
 
     fn init_states(&self) -> Vec<State> {
-        let page = Page {
-            owner: None,
-            generation: 0,
-            state: PageState::Free,
-            content: Content::Empty,
-        };
         let request = Request {
             router: RouterPhase::Idle,
             attempt: 0,
             responses: 0,
             decode: DecodePhase::Idle,
-            prefill_holds: false,
+            prefill: PrefillPhase::Idle,
             stale: None,
         };
         vec![State {
-            pages: vec![page; self.pool_pages as usize],
+            pool: Pool::new(self.pool_pages),
+            content: vec![Content::Empty; self.pool_pages as usize],
             requests: vec![request; self.requests.len()],
             net: Vec::new(),
+            writes: Vec::new(),
             faults: self.faults,
-            read_foreign: false,
-            read_corrupt: false,
-            wrote_foreign: false,
-            released_early: false,
-            over_capacity: false,
-            stale_refused: false,
-            completed: false,
+            ghost: Ghost::default(),
+            events: 0,
         }]
     }
 
     fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        let free = state.pool.pages_free();
         for (index, entry) in state.requests.iter().enumerate() {
             let r = index as u8;
-            let free = state
-                .pages
-                .iter()
-                .filter(|p| p.state == PageState::Free)
-                .count() as u8;
-            let needed = self.requests[index].pages;
+            let needed = self.needed(r);
+            let idle = entry.decode == DecodePhase::Idle && entry.prefill == PrefillPhase::Idle;
             match entry.router {
                 RouterPhase::Idle => actions.push(Action::Submit(r)),
-                RouterPhase::WaitingDecode
-                    if entry.decode == DecodePhase::Idle
-                        && !entry.prefill_holds
-                        && (free >= needed || (self.has(Mutant::NoAdmission) && free > 0)) =>
-                {
+                // Decode's FIFO queue: the reservation is all or nothing.
+                RouterPhase::WaitingDecode if idle && free >= needed as usize => {
                     actions.push(Action::Reserve(r));
                     if state.faults.placeholders > 0 && needed > 1 {
                         actions.push(Action::ReservePlaceholder(r));
                     }
                 }
-                RouterPhase::Ended
-                    if state.faults.retries > 0
-                        && entry.decode == DecodePhase::Idle
-                        && !entry.prefill_holds =>
-                {
+                RouterPhase::Ended if state.faults.retries > 0 && idle => {
                     actions.push(Action::Retry(r))
                 }
                 _ => {}
             }
-            if matches!(entry.decode, DecodePhase::Decoding { .. }) {
-                actions.push(Action::DecodeStep(r));
-            }
-            if matches!(entry.decode, DecodePhase::Receiving { .. }) {
-                actions.push(Action::Timeout(r));
+            match entry.decode {
+                DecodePhase::Decoding { .. } => actions.push(Action::DecodeStep(r)),
+                DecodePhase::Receiving { .. } => actions.push(Action::Timeout(r)),
+                _ => {}
             }
             if state.faults.disconnects > 0
                 && !matches!(entry.router, RouterPhase::Idle | RouterPhase::Ended)
             {
                 actions.push(Action::Disconnect(r));
+            }
+            if !TransferSpec::writes_pending(state, r, entry.attempt) {
+                match entry.prefill {
+                    PrefillPhase::Writing { .. } => actions.push(Action::SendDone(r)),
+                    PrefillPhase::Aborting => actions.push(Action::AckAbort(r)),
+                    _ => {}
+                }
             }
         }
         for index in 0..state.net.len() {
@@ -605,7 +968,16 @@ impl Model for TransferSpec {
                 actions.push(Action::Corrupt(index));
             }
         }
-        if state.faults.link_resets > 0 && !state.net.is_empty() {
+        for index in 0..state.writes.len() {
+            if index > 0 && state.writes[index] == state.writes[index - 1] {
+                continue;
+            }
+            actions.push(Action::Land(index));
+            if state.faults.corruptions > 0 {
+                actions.push(Action::CorruptWrite(index));
+            }
+        }
+        if state.faults.link_resets > 0 && !(state.net.is_empty() && state.writes.is_empty()) {
             actions.push(Action::LinkReset);
         }
         if state.faults.crashes > 0 {
@@ -616,12 +988,12 @@ impl Model for TransferSpec {
 
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
         let mut state = last.clone();
+        state.events = 0;
         match action {
             Action::Submit(r) => {
-                let needed = self.requests[r as usize].pages;
-                if needed > self.pool_pages && !self.has(Mutant::NoAdmission) {
+                if self.oversize(r) && !self.has(Mutant::NoAdmission) {
                     // I3: refused with its reason before any page is touched.
-                    TransferSpec::end(&mut state, r);
+                    self.end(&mut state, r, Answer::Rejected);
                 } else {
                     state.requests[r as usize].router = RouterPhase::WaitingDecode;
                 }
@@ -635,22 +1007,56 @@ impl Model for TransferSpec {
                 let msg = state.net.remove(index);
                 self.deliver(&mut state, msg);
             }
+            Action::Land(index) => {
+                let write = state.writes.remove(index);
+                self.land_write(&mut state, write);
+            }
+            Action::SendDone(r) => {
+                let attempt = state.requests[r as usize].attempt;
+                let PrefillPhase::Writing { pages: sent } = state.requests[r as usize].prefill
+                else {
+                    unreachable!("SendDone is enabled only while writing");
+                };
+                state.net.push(Msg::Done {
+                    request: r,
+                    attempt,
+                    pages: sent,
+                    checksum: self.checksum(r, attempt, sent),
+                });
+                state.requests[r as usize].prefill = PrefillPhase::Sent;
+            }
+            Action::AckAbort(r) => {
+                let attempt = state.requests[r as usize].attempt;
+                state.net.push(Msg::WriteAbortAck {
+                    request: r,
+                    attempt,
+                });
+                TransferSpec::prefill_release(&mut state, r, true);
+            }
             Action::DecodeStep(r) => self.decode_step(&mut state, r),
             // Decode gives up on a transfer (the engine's `transfer_timeout`).
-            Action::Timeout(r) => self.fail_decode(&mut state, r),
+            Action::Timeout(r) => self.abort_decode(&mut state, r, Answer::Failed),
             Action::Disconnect(r) => {
                 state.faults.disconnects -= 1;
-                TransferSpec::end(&mut state, r);
-                let entry = &state.requests[r as usize];
-                let attempt = entry.attempt;
-                if !matches!(entry.decode, DecodePhase::Idle) {
-                    self.fail_decode(&mut state, r);
-                }
-                if state.requests[r as usize].prefill_holds {
-                    state.net.push(Msg::Abort {
-                        request: r,
-                        attempt,
-                    });
+                self.end(&mut state, r, Answer::Gone);
+                if self.one_sided() {
+                    // The router's abort reaches decode, which drives the transfer to an end.
+                    self.abort_decode(&mut state, r, Answer::Gone);
+                } else {
+                    // The router's abort reaches both: decode drops its reservation at once;
+                    // prefill, if still sending, asks decode through the protocol (I7).
+                    let entry = &state.requests[r as usize];
+                    let attempt = entry.attempt;
+                    let sending = entry.prefill != PrefillPhase::Idle;
+                    if entry.decode != DecodePhase::Idle {
+                        self.fail_decode(&mut state, r, Answer::Gone);
+                    }
+                    if sending {
+                        state.net.push(Msg::TransferAbort {
+                            request: r,
+                            attempt,
+                        });
+                    }
                 }
             }
             Action::Retry(r) => {
@@ -675,18 +1081,24 @@ impl Model for TransferSpec {
                     *content = Content::Junk;
                 }
             }
+            Action::CorruptWrite(index) => {
+                state.faults.corruptions -= 1;
+                state.writes[index].content = Content::Junk;
+            }
             Action::LinkReset => {
-                // The prefill-decode link breaks: nothing in flight arrives, and each side
-                // releases what only that link could still touch (I5 allows it).
+                // The prefill-decode link breaks: nothing in flight arrives (one-sided: the
+                // queue pair is torn down, so no posted write lands any more: the fence), and
+                // each side releases what only that link could still touch (I5 allows it).
                 state.faults.link_resets -= 1;
                 state.net.clear();
+                state.writes.clear();
                 for r in 0..state.requests.len() as u8 {
                     TransferSpec::prefill_release(&mut state, r, true);
                     if matches!(
                         state.requests[r as usize].decode,
-                        DecodePhase::Receiving { .. }
+                        DecodePhase::Receiving { .. } | DecodePhase::Quarantined { .. }
                     ) {
-                        self.fail_decode(&mut state, r);
+                        self.fail_decode(&mut state, r, Answer::Failed);
                     }
                 }
             }
@@ -694,91 +1106,288 @@ impl Model for TransferSpec {
                 // Its memory is gone with it, and its links: nothing it sent arrives any more,
                 // and decode fails every transfer it was waiting for.
                 state.faults.crashes -= 1;
+                if in_transfer(&state) {
+                    state.events |= event::CRASH_MID_TRANSFER;
+                }
                 state.net.clear();
+                state.writes.clear();
                 for r in 0..state.requests.len() as u8 {
-                    state.requests[r as usize].prefill_holds = false;
+                    state.requests[r as usize].prefill = PrefillPhase::Idle;
                     if matches!(
                         state.requests[r as usize].decode,
-                        DecodePhase::Receiving { .. }
+                        DecodePhase::Receiving { .. } | DecodePhase::Quarantined { .. }
                     ) {
-                        self.fail_decode(&mut state, r);
+                        self.fail_decode(&mut state, r, Answer::Failed);
                     }
                 }
             }
             Action::CrashDecode => {
-                // A restarted decode worker starts with a fresh pool: every page free, every
-                // generation new, nothing of the old links. Prefill sees its link drop.
+                // A restarted decode worker starts with a fresh pool (`PagePool::new`: every
+                // page free, zeroed, at generation 0) and nothing of the old links; nothing
+                // from before the crash reaches it. Prefill sees its link drop.
                 state.faults.crashes -= 1;
-                state.net.clear();
-                for page in &mut state.pages {
-                    page.owner = None;
-                    page.state = PageState::Free;
-                    page.generation += 1;
+                if in_transfer(&state) {
+                    state.events |= event::CRASH_MID_TRANSFER;
                 }
+                state.net.clear();
+                state.writes.clear();
+                state.pool = Pool::new(self.pool_pages);
+                state.content = vec![Content::Empty; self.pool_pages as usize];
                 for r in 0..state.requests.len() as u8 {
                     let entry = &mut state.requests[r as usize];
                     entry.decode = DecodePhase::Idle;
                     entry.stale = None;
-                    entry.prefill_holds = false;
+                    entry.prefill = PrefillPhase::Idle;
                     if !matches!(entry.router, RouterPhase::Idle | RouterPhase::WaitingDecode) {
-                        TransferSpec::end(&mut state, r);
+                        self.end(&mut state, r, Answer::Failed);
                     }
                 }
             }
         }
         state.net.sort();
+        state.writes.sort();
+        // A released table matters only while a page frame of that attempt is in flight (the
+        // stale path); forgetting it afterwards merges states that cannot behave differently.
+        for (r, entry) in state.requests.iter_mut().enumerate() {
+            let live = entry.stale.as_ref().is_some_and(|stale| {
+                state.net.iter().any(|m| {
+                    matches!(*m, Msg::Page { request, attempt, .. }
+                        if request as usize == r && attempt == stale.attempt)
+                })
+            });
+            if !live {
+                entry.stale = None;
+            }
+        }
         Some(state)
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
         let mut properties: Vec<Property<Self>> = vec![
             Property::always(
-                "I1 a decode step reads only its own request's KV",
-                |_, s: &State| !s.read_foreign,
+                "S1/I1 a decode step reads only its own request's KV",
+                |_, s: &State| !s.ghost.read_foreign,
             ),
-            Property::always("I4 a decode step reads only verified KV", |_, s: &State| {
-                !s.read_corrupt
-            }),
             Property::always(
-                "I5 no write lands in another request's page",
-                |_, s: &State| !s.wrote_foreign,
+                "S1/I4 a decode step reads only verified KV",
+                |_, s: &State| !s.ghost.read_corrupt,
+            ),
+            Property::always(
+                "S2 a transfer is sealed only when every page holds this attempt's KV",
+                |_, s: &State| !s.ghost.bad_commit,
+            ),
+            Property::always(
+                "S3 every page is free or held by exactly one request, the one its header names",
+                |_, s: &State| TransferSpec::single_ownership(s),
+            ),
+            Property::always(
+                "S4/I5 no write lands in a page its transfer does not hold",
+                |_, s: &State| !s.ghost.wrote_foreign,
+            ),
+            Property::always(
+                "S4 no page is freed while a write to it may still land",
+                |_, s: &State| !s.ghost.freed_under_writer,
             ),
             Property::always(
                 "I5 prefill frees pages only on decode's answer",
-                |_, s: &State| !s.released_early,
+                |_, s: &State| !s.ghost.released_early,
             ),
-            Property::always("I6 at most one answer per request", |_, s: &State| {
-                s.requests.iter().all(|r| r.responses <= 1)
-            }),
             Property::always(
-                "I3 a request that can never fit holds no page",
-                |_, s: &State| !s.over_capacity,
+                "S5 every allocation bumps the page's generation",
+                |_, s: &State| !s.ghost.generation_reused,
+            ),
+            Property::always(
+                "S6 200 headers only after a verified commit",
+                |_, s: &State| {
+                    s.requests.iter().all(|r| {
+                        r.router != RouterPhase::Streaming
+                            || matches!(r.decode, DecodePhase::Decoding { .. })
+                    })
+                },
+            ),
+            Property::always(
+                "S7/I3 a request that can never fit never holds a page or sends a frame",
+                |m: &TransferSpec, s: &State| m.rejected_untouched(s),
+            ),
+            Property::always(
+                "S7 an aborted transfer is never committed",
+                |_, s: &State| !s.ghost.committed_after_end,
+            ),
+            Property::always(
+                "S10 a request that can never fit is never admitted",
+                |m: &TransferSpec, s: &State| {
+                    (0..s.requests.len() as u8)
+                        .filter(|&r| m.oversize(r))
+                        .all(|r| {
+                            matches!(
+                                s.requests[r as usize].router,
+                                RouterPhase::Idle | RouterPhase::Ended
+                            )
+                        })
+                },
+            ),
+            Property::always(
+                "S11/I6 at most one answer per request, and one once it ended",
+                |_, s: &State| {
+                    s.requests
+                        .iter()
+                        .all(|r| r.responses == u8::from(r.router == RouterPhase::Ended))
+                },
+            ),
+            Property::always(
+                "S11 every answer is of the kind the request allows",
+                |_, s: &State| !s.ghost.wrong_answer,
             ),
             Property::always("I9 a quiescent pool is whole", |_, s: &State| {
-                !TransferSpec::quiescent(s) || s.pages.iter().all(|p| p.state == PageState::Free)
+                !TransferSpec::quiescent(s)
+                    || s.pool.headers().iter().all(|h| h.state == PageState::Free)
             }),
-            Property::sometimes("a request is answered from its own KV", |_, s: &State| {
-                s.completed
-            }),
+            Property::always(
+                "the engine's expectations hold (own pages verify, release, change state)",
+                |_, s: &State| !s.ghost.engine_panic,
+            ),
+            Property::sometimes(
+                "R1 a request is answered from its own KV",
+                |_, s: &State| s.events & event::COMPLETED != 0,
+            ),
         ];
-        if self.faults.retries > 0 {
-            properties.push(Property::sometimes(
-                "a stale frame is refused by the page check",
-                |_, s: &State| s.stale_refused,
+        // Liveness, judged at terminal states (stateright's `eventually` is sound only on
+        // terminating paths, and every path here terminates: faults and retries are bounded).
+        // A lost frame on a one-sided transport leaves a quarantine waiting for an answer that
+        // never comes until the link is torn down (T16: by design); so does a lost answer to
+        // prefill on either transport.
+        if !(self.one_sided() && self.faults.drops > 0) {
+            properties.push(Property::always(
+                "L1 at every terminal state each request has ended with exactly one answer",
+                |m: &TransferSpec, s: &State| {
+                    !m.terminal(s)
+                        || s.requests
+                            .iter()
+                            .all(|r| r.router == RouterPhase::Ended && r.responses == 1)
+                },
             ));
         }
-        // Liveness holds where no message is lost: a lost answer leaves the sender's pages
-        // quarantined until its link is torn down, which nothing forces in the model.
-        if self.faults.drops == 0 && self.faults.link_resets == 0 {
-            properties.push(Property::eventually(
-                "every request ends and the pool is whole",
-                |_, s: &State| {
-                    TransferSpec::quiescent(s)
-                        && s.requests.iter().all(|r| r.router == RouterPhase::Ended)
-                        && s.pages.iter().all(|p| p.state == PageState::Free)
+        if self.faults.drops == 0 {
+            properties.push(Property::always(
+                "L2 at every terminal state the pool is whole and nothing is in flight or held",
+                |m: &TransferSpec, s: &State| {
+                    !m.terminal(s)
+                        || (TransferSpec::quiescent(s)
+                            && s.pool.pages_free() == s.pool.headers().len())
                 },
+            ));
+            properties.push(Property::always(
+                "L3 at every terminal state no page is quarantined",
+                |m: &TransferSpec, s: &State| {
+                    !m.terminal(s)
+                        || s.pool
+                            .headers()
+                            .iter()
+                            .all(|h| h.state != PageState::Quarantined)
+                },
+            ));
+        }
+        if self.faults.disconnects > 0 {
+            properties.push(Property::sometimes(
+                "R2 an abort races the transfer's Done",
+                |_, s: &State| {
+                    s.net.iter().any(|m| match *m {
+                        Msg::TransferAbort { request, attempt }
+                        | Msg::WriteAbort { request, attempt } => s.net.iter().any(|d| {
+                            matches!(*d, Msg::Done { request: r, attempt: a, .. }
+                                if r == request && a == attempt)
+                        }),
+                        _ => false,
+                    })
+                },
+            ));
+        }
+        // Pages change hands only between transfers: two requests that fit, or a retry.
+        let fitting = (0..self.requests.len() as u8)
+            .filter(|&r| !self.oversize(r))
+            .count();
+        let reuse = fitting >= 2 || self.faults.retries > 0;
+        if self.transport == Transport::Framed {
+            if reuse {
+                properties.push(Property::sometimes(
+                    "R3 a page is allocated again while frames of the transfer that had it are in flight",
+                    |_, s: &State| reused_under_old_frames(s),
+                ));
+            }
+            properties.push(Property::sometimes(
+                "R4 a stale frame is refused by the page check",
+                |_, s: &State| s.events & event::STALE_REFUSED != 0,
+            ));
+        } else {
+            if fitting >= 2 {
+                properties.push(Property::sometimes(
+                    "R3 a quarantined reservation is freed on the writer's ack while a request waits for pages",
+                    |_, s: &State| s.events & event::QUARANTINE_FREED_FOR_WAITER != 0,
+                ));
+            }
+            properties.push(Property::sometimes(
+                "a posted write lands in a quarantined page",
+                |_, s: &State| s.events & event::LANDED_IN_QUARANTINE != 0,
+            ));
+        }
+        if self.faults.corruptions > 0 {
+            properties.push(Property::sometimes(
+                "R5 a corruption is caught by the checksum",
+                |_, s: &State| s.events & event::CORRUPTION_CAUGHT != 0,
+            ));
+        }
+        if self.faults.crashes > 0 {
+            properties.push(Property::sometimes(
+                "R6 a worker crashes mid-transfer",
+                |_, s: &State| s.events & event::CRASH_MID_TRANSFER != 0,
             ));
         }
         properties
     }
+}
+
+/// A write of `request`'s transfer `attempt` into (`page`, `generation`) would land in a page
+/// that transfer does not hold: another request's, or another attempt's of the same request
+/// (the model reuses a request's identity across retries, so only the generation and the
+/// reservation tell attempts apart).
+fn foreign(state: &State, request: u8, attempt: u8, page: u8, generation: u8) -> bool {
+    let header = state.pool.header(page);
+    let entry = &state.requests[request as usize];
+    header.owner != Some(request)
+        || header.generation != generation
+        || entry.attempt != attempt
+        || !entry
+            .decode
+            .table()
+            .is_some_and(|t| t.contains(&(page, generation)))
+}
+
+/// R3: a page of a released table belongs to another transfer now, while a page frame of the
+/// transfer that released it is still in flight (it ended early: aborted, failed, timed out).
+fn reused_under_old_frames(state: &State) -> bool {
+    state.requests.iter().enumerate().any(|(r, entry)| {
+        let Some(stale) = &entry.stale else {
+            return false;
+        };
+        let reused = stale.table.iter().any(|&(page, generation)| {
+            let header = state.pool.header(page);
+            header.owner.is_some()
+                && (header.owner != Some(r as u8) || header.generation != generation)
+        });
+        reused
+            && state.net.iter().any(|m| {
+                msg_request(m) == r as u8
+                    && match *m {
+                        Msg::Page { attempt, .. } => attempt == stale.attempt,
+                        _ => false,
+                    }
+            })
+    })
+}
+
+/// A transfer is under way: pages reserved for it or held to send.
+fn in_transfer(state: &State) -> bool {
+    state.requests.iter().any(|r| {
+        matches!(r.decode, DecodePhase::Receiving { .. }) || r.prefill != PrefillPhase::Idle
+    })
 }

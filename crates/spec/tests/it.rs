@@ -1,12 +1,16 @@
 //! The bounded check of the transfer model, and one test per mutant showing the checker finds
 //! the counterexample for the invariant that mutant's guard protects.
+//!
+//! Every check prints the states it explored; every mutant prints its counterexample.
 
-use spec::{Faults, Mutant, RequestSpec, TransferSpec};
+use std::time::Instant;
+
+use spec::{Faults, Mutant, RequestSpec, TransferSpec, Transport};
 use stateright::{Checker, Model};
 
 /// Two tenants' requests of two pages each over a three-page pool: they cannot both hold
 /// pages at once, so pages are reused, and every fault may happen once.
-fn spec(mutant: Option<Mutant>, faults: Faults) -> TransferSpec {
+fn spec(transport: Transport, mutant: Option<Mutant>, faults: Faults) -> TransferSpec {
     TransferSpec {
         pool_pages: 3,
         requests: vec![
@@ -19,14 +23,15 @@ fn spec(mutant: Option<Mutant>, faults: Faults) -> TransferSpec {
                 pages: 2,
             },
         ],
+        transport,
         faults,
         mutant,
     }
 }
 
-/// The bounded check: each group of faults, every fault once, explored exhaustively. All
-/// faults at once (`deep_check`) is too large for every CI run.
-const FAULT_GROUPS: [(&str, Faults); 6] = [
+/// The bounded check of the framed transport (the code's): each group of faults, every fault
+/// once, explored exhaustively. All faults at once (`deep_check`) is too large for every run.
+const FRAMED_GROUPS: [(&str, Faults); 6] = [
     (
         "loss, duplication, retry",
         Faults {
@@ -62,11 +67,10 @@ const FAULT_GROUPS: [(&str, Faults); 6] = [
         },
     ),
     (
-        "duplication, disconnect, retry",
+        "duplication, disconnect",
         Faults {
             duplicates: 1,
             disconnects: 1,
-            retries: 1,
             ..Faults::NONE
         },
     ),
@@ -80,33 +84,103 @@ const FAULT_GROUPS: [(&str, Faults); 6] = [
     ),
 ];
 
+/// The one-sided transport (a design model): the faults that touch its quiescence protocol.
+const ONE_SIDED_GROUPS: [(&str, Faults); 4] = [
+    (
+        "disconnect, retry",
+        Faults {
+            disconnects: 1,
+            retries: 1,
+            ..Faults::NONE
+        },
+    ),
+    (
+        "loss, duplication",
+        Faults {
+            drops: 1,
+            duplicates: 1,
+            ..Faults::NONE
+        },
+    ),
+    (
+        "corruption, crash and restart",
+        Faults {
+            corruptions: 1,
+            crashes: 1,
+            ..Faults::NONE
+        },
+    ),
+    (
+        "link reset, placeholder transfer, disconnect",
+        Faults {
+            link_resets: 1,
+            placeholders: 1,
+            disconnects: 1,
+            ..Faults::NONE
+        },
+    ),
+];
+
+/// Breadth first, so a counterexample is a shortest one.
 fn check(model: TransferSpec) -> impl Checker<TransferSpec> {
+    let started = Instant::now();
     let checker = model.checker().threads(2).spawn_bfs().join();
-    println!(
-        "states: {} unique, {} visited, max depth {}",
-        checker.unique_state_count(),
-        checker.state_count(),
-        checker.max_depth()
-    );
+    report(&checker, started);
     checker
 }
 
-#[test]
-fn the_protocol_keeps_every_invariant_under_each_fault_group() {
-    for (name, faults) in FAULT_GROUPS {
-        println!("{name}:");
-        check(spec(None, faults)).assert_properties();
+/// Depth first: the same states, in about half the time and memory of breadth first at
+/// millions of states (no frontier to hold), for checks expected to pass.
+fn check_dfs(model: TransferSpec) -> impl Checker<TransferSpec> {
+    let started = Instant::now();
+    let checker = model.checker().threads(2).spawn_dfs().join();
+    report(&checker, started);
+    checker
+}
+
+fn report(checker: &impl Checker<TransferSpec>, started: Instant) {
+    println!(
+        "  states: {} unique, {} visited, max depth {}, {:.1} s",
+        checker.unique_state_count(),
+        checker.state_count(),
+        checker.max_depth(),
+        started.elapsed().as_secs_f64()
+    );
+}
+
+fn check_groups(transport: Transport, groups: &[(&str, Faults)]) {
+    for &(name, faults) in groups {
+        println!("{transport:?}, {name}:");
+        check_dfs(spec(transport, None, faults)).assert_properties();
     }
 }
 
-/// Duplication, corruption, disconnect, retry and a crash together (tens of millions of
-/// states): `AIRLOCK_SPEC_DEEP=1 cargo test --release -p spec deep_check -- --nocapture`.
+#[test]
+fn the_framed_protocol_keeps_every_property_under_each_fault_group() {
+    check_groups(Transport::Framed, &FRAMED_GROUPS);
+}
+
+#[test]
+fn the_one_sided_protocol_keeps_every_property_under_each_fault_group() {
+    check_groups(Transport::OneSided, &ONE_SIDED_GROUPS);
+}
+
+/// Larger combinations than every run can afford:
+/// `AIRLOCK_SPEC_DEEP=1 cargo test --release -p spec deep_check -- --nocapture`.
 #[test]
 fn deep_check() {
     if std::env::var_os("AIRLOCK_SPEC_DEEP").is_none() {
         println!("skipped: set AIRLOCK_SPEC_DEEP=1 for the deep check");
         return;
     }
+    println!("Framed, duplication, disconnect, retry:");
+    let faults = Faults {
+        duplicates: 1,
+        disconnects: 1,
+        retries: 1,
+        ..Faults::NONE
+    };
+    check_dfs(spec(Transport::Framed, None, faults)).assert_properties();
     let faults = Faults {
         duplicates: 1,
         corruptions: 1,
@@ -115,110 +189,176 @@ fn deep_check() {
         crashes: 1,
         ..Faults::NONE
     };
-    check(spec(None, faults)).assert_properties();
-}
-
-#[test]
-fn without_faults_every_request_ends_and_the_pool_is_whole() {
-    let liveness = Faults {
+    println!("Framed, duplication, corruption, disconnect, retry, crash:");
+    check_dfs(spec(Transport::Framed, None, faults)).assert_properties();
+    let faults = Faults {
+        drops: 1,
+        duplicates: 1,
+        corruptions: 1,
         disconnects: 1,
+        retries: 1,
+        crashes: 1,
         ..Faults::NONE
     };
-    let checker = check(spec(None, liveness));
-    checker.assert_properties();
+    println!("OneSided, loss, duplication, corruption, disconnect, retry, crash:");
+    check_dfs(spec(Transport::OneSided, None, faults)).assert_properties();
 }
 
-fn assert_found(mutant: Mutant, faults: Faults, property: &'static str) {
-    let checker = check(spec(Some(mutant), faults));
-    let path = checker
-        .discovery(property)
-        .unwrap_or_else(|| panic!("{mutant:?}: no counterexample for '{property}'"));
-    println!("{mutant:?} breaks '{property}':\n{path}");
+fn assert_found_in(model: TransferSpec, properties: &[&'static str]) {
+    let mutant = model.mutant.expect("a mutant");
+    let checker = check(model);
+    for &property in properties {
+        let path = checker
+            .discovery(property)
+            .unwrap_or_else(|| panic!("{mutant:?}: no counterexample for '{property}'"));
+        println!("{mutant:?} breaks '{property}':");
+        for (step, (state, action)) in path.into_vec().into_iter().enumerate() {
+            if let Some(action) = action {
+                println!("  {:2}. {}", step + 1, action.describe(&state));
+            }
+        }
+    }
+}
+
+fn assert_found(transport: Transport, mutant: Mutant, faults: Faults, properties: &[&'static str]) {
+    assert_found_in(spec(transport, Some(mutant), faults), properties);
 }
 
 #[test]
 fn without_the_owner_check_a_stale_frame_lands_in_another_requests_page() {
     assert_found(
+        Transport::Framed,
         Mutant::NoOwnerCheck,
         Faults {
             duplicates: 1,
             ..Faults::NONE
         },
-        "I5 no write lands in another request's page",
+        &["S4/I5 no write lands in a page its transfer does not hold"],
     );
 }
 
 #[test]
-fn without_the_generation_bump_a_retry_reads_its_earlier_attempts_kv() {
+fn without_the_generation_bump_a_frame_of_an_earlier_attempt_lands_in_the_retrys_pages() {
     assert_found(
+        Transport::Framed,
         Mutant::NoGenerationBump,
         Faults {
-            disconnects: 1,
             retries: 1,
             ..Faults::NONE
         },
-        "I1 a decode step reads only its own request's KV",
+        &[
+            "S5 every allocation bumps the page's generation",
+            "S4/I5 no write lands in a page its transfer does not hold",
+        ],
     );
 }
 
 #[test]
 fn without_the_checksum_corrupt_kv_is_decoded() {
     assert_found(
+        Transport::Framed,
         Mutant::NoChecksum,
         Faults {
             corruptions: 1,
             ..Faults::NONE
         },
-        "I4 a decode step reads only verified KV",
+        &[
+            "S2 a transfer is sealed only when every page holds this attempt's KV",
+            "S1/I4 a decode step reads only verified KV",
+        ],
     );
 }
 
 #[test]
 fn without_the_length_check_a_short_transfer_is_decoded() {
     assert_found(
+        Transport::Framed,
         Mutant::NoLengthCheck,
         Faults {
             placeholders: 1,
             ..Faults::NONE
         },
-        "I4 a decode step reads only verified KV",
+        &[
+            "S2 a transfer is sealed only when every page holds this attempt's KV",
+            "S1/I4 a decode step reads only verified KV",
+        ],
     );
 }
 
 #[test]
 fn without_deferred_release_prefill_frees_pages_a_transfer_still_uses() {
     assert_found(
+        Transport::Framed,
         Mutant::NoDeferredRelease,
         Faults::NONE,
-        "I5 prefill frees pages only on decode's answer",
+        &["I5 prefill frees pages only on decode's answer"],
     );
 }
 
+/// Without admission a request larger than the whole pool is admitted (S10) and then waits
+/// in decode's queue for pages that can never all be free: it is never answered (L1). With
+/// admission, the same request gets its 400 and touches nothing.
 #[test]
-fn without_admission_a_request_larger_than_the_pool_gets_pages() {
-    let model = TransferSpec {
+fn without_admission_a_request_larger_than_the_pool_is_admitted_and_never_answered() {
+    let oversize = |mutant| TransferSpec {
         pool_pages: 3,
-        requests: vec![RequestSpec {
-            tenant: 1,
-            pages: 4,
-        }],
+        requests: vec![
+            RequestSpec {
+                tenant: 1,
+                pages: 4,
+            },
+            RequestSpec {
+                tenant: 2,
+                pages: 2,
+            },
+        ],
+        transport: Transport::Framed,
         faults: Faults::NONE,
-        mutant: Some(Mutant::NoAdmission),
+        mutant,
     };
-    let checker = check(model);
-    let property = "I3 a request that can never fit holds no page";
-    let path = checker.discovery(property).expect("admission mutant found");
-    println!("NoAdmission breaks '{property}':\n{path}");
-    // With admission, the same request is refused and never holds a page.
-    let model = TransferSpec {
-        pool_pages: 3,
-        requests: vec![RequestSpec {
-            tenant: 1,
-            pages: 4,
-        }],
-        faults: Faults::NONE,
-        mutant: None,
-    };
-    let checker = model.checker().spawn_bfs().join();
-    assert!(checker.discovery(property).is_none());
+    assert_found_in(
+        oversize(Some(Mutant::NoAdmission)),
+        &[
+            "S10 a request that can never fit is never admitted",
+            "L1 at every terminal state each request has ended with exactly one answer",
+        ],
+    );
+    println!("with admission:");
+    check(oversize(None)).assert_properties();
+}
+
+/// The one-sided transport's quiescence protocol: prefill answers decode's `WriteAbort` only
+/// once every write it posted has landed. Answering on receipt lets decode free the
+/// reservation while a write is still in flight; the write then lands in the next request's
+/// page, which that request reads as its own (SGLang #31357). No fault is needed: a timeout
+/// is enough.
+#[test]
+fn an_abort_ack_before_quiescence_lets_a_late_write_land_in_the_next_requests_page() {
+    assert_found(
+        Transport::OneSided,
+        Mutant::AbortAckBeforeQuiescence,
+        Faults::NONE,
+        &[
+            "S4 no page is freed while a write to it may still land",
+            "S4/I5 no write lands in a page its transfer does not hold",
+            "S1/I1 a decode step reads only its own request's KV",
+        ],
+    );
+}
+
+/// What the framed engine does on abort (free the reservation at once) is safe only because
+/// a frame lands through the reservation. Over a one-sided transport it is the bug of
+/// Dynamo #13855: a posted write lands in a page that already belongs to someone else.
+#[test]
+fn over_a_one_sided_transport_freeing_at_once_on_abort_lets_writes_land_in_reused_pages() {
+    assert_found(
+        Transport::OneSided,
+        Mutant::ImmediateRelease,
+        Faults::NONE,
+        &[
+            "S4 no page is freed while a write to it may still land",
+            "S4/I5 no write lands in a page its transfer does not hold",
+            "S1/I1 a decode step reads only its own request's KV",
+        ],
+    );
 }

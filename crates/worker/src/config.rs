@@ -25,4 +25,6 @@ pub struct WorkerConfig {
     pub step_tokens: usize,
     /// Most decoding requests in one step.
     pub max_batch: usize,
+    /// Faults to inject (test builds with `fault-injection` only; always empty otherwise).
+    pub faults: crate::FaultPlan,
 }

@@ -22,7 +22,7 @@
 use crate::config::WorkerConfig;
 use gguf::Tokenizer;
 use kv::{Owner, PagePool, PageState, PageTable, RequestId};
-use model::{Model, Sampler, SamplingParams, SeqStep, StopMatcher};
+use model::{Forward, Sampler, SamplingParams, SeqStep, StopMatcher};
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -88,6 +88,8 @@ struct Request {
     peer: Option<LinkId>,
     /// The router has been told how this request ended (exactly one end, I6).
     reported: bool,
+    /// Fault injection only (`incident`): the prompt was swapped for a one-token placeholder.
+    placeholder: bool,
     decode: Option<DecodeState>,
 }
 
@@ -104,6 +106,7 @@ enum Phase {
         inbound: Inbound,
         /// The link the first frame came on; later frames must come on it too.
         sender: Option<LinkId>,
+        /// When the reservation was made, then when the first frame came.
         since: Instant,
     },
     /// Prefill: pages sent, held until the receiver answers.
@@ -144,7 +147,7 @@ struct Stats {
 /// The worker's state; see the module docs.
 pub struct Engine {
     config: WorkerConfig,
-    model: Model,
+    model: Box<dyn Forward>,
     tokenizer: Tokenizer,
     pool: PagePool,
     links: HashMap<LinkId, LinkEntry>,
@@ -163,7 +166,14 @@ pub struct Engine {
 const IDLE_TICK: Duration = Duration::from_millis(50);
 
 impl Engine {
-    pub fn new(config: WorkerConfig, model: Model, tokenizer: Tokenizer, pool: PagePool) -> Engine {
+    pub fn new(
+        config: WorkerConfig,
+        model: Box<dyn Forward>,
+        tokenizer: Tokenizer,
+        #[allow(unused_mut)] mut pool: PagePool,
+    ) -> Engine {
+        #[cfg(feature = "fault-injection")]
+        pool.set_owner_check_for_test(config.faults.owner_checked());
         Engine {
             config,
             model,
@@ -323,6 +333,7 @@ impl Engine {
                 seq,
                 peer,
                 reported: false,
+                placeholder: false,
                 decode: None,
             },
         );
@@ -366,7 +377,7 @@ impl Engine {
         }
         let needed = self.tokens_needed(submit);
         let capacity = self.pool.capacity_tokens();
-        if needed > capacity {
+        if needed > capacity && self.config.faults.admission_checked() {
             let message = format!(
                 "this request needs {needed} tokens of KV on worker {}, whose whole pool \
                  holds {capacity}; shorten the prompt or lower max_tokens",
@@ -393,13 +404,29 @@ impl Engine {
                 .requests
                 .get(&key)
                 .expect("queued keys are live requests");
-            let needed = self.tokens_needed(&request.submit);
-            let table = match self.pool.allocate(request.owner, needed) {
+            let mut needed = self.tokens_needed(&request.submit);
+            let is_prefill = matches!(request.submit.plan, Plan::Prefill { .. });
+            let placeholder =
+                is_prefill && needed > self.pool.capacity_tokens() && self.config.faults.incident();
+            if placeholder {
+                // The incident, planted: the prompt can never fit, so run a one-token
+                // placeholder and let `Done` claim the whole prompt.
+                needed = 1;
+            }
+            let owner = request.owner;
+            let table = match self.pool.allocate(owner, needed) {
                 Ok(table) => table,
                 Err(kv::Error::OutOfPages { .. }) => return,
                 Err(error) => panic!("allocation fails only for want of pages: {error}"),
             };
             self.queue.pop_front();
+            if placeholder {
+                tracing::warn!("fault injection: incident placeholder for a prompt over the pool");
+                self.requests
+                    .get_mut(&key)
+                    .expect("queued keys are live")
+                    .placeholder = true;
+            }
             self.start(key, table);
         }
     }
@@ -411,10 +438,12 @@ impl Engine {
         let prompt_tokens = request.submit.prompt.len();
         match request.submit.plan {
             Plan::Unified | Plan::Prefill { .. } => {
-                request.phase = Phase::Prefilling {
-                    done: 0,
-                    target: prompt_tokens - 1,
+                let target = if request.placeholder {
+                    1.min(prompt_tokens - 1)
+                } else {
+                    prompt_tokens - 1
                 };
+                request.phase = Phase::Prefilling { done: 0, target };
             }
             Plan::Decode { transfer } => {
                 self.pool
@@ -487,6 +516,9 @@ impl Engine {
                 chunks.push((key, done, count));
             }
         }
+        if let Some(delay) = self.config.faults.step_delay() {
+            std::thread::sleep(delay);
+        }
         let Engine {
             model,
             pool,
@@ -545,9 +577,11 @@ impl Engine {
         }
     }
 
-    /// A step refused to run: a page check failed (a bug in this worker, counted and
-    /// exported) or the model refused the batch. Every request in it fails; none is answered
-    /// from what the step might have read.
+    /// A step refused to run: a page check failed (a bug in this worker, or a fault planted
+    /// in a test; counted and exported) or the model refused the batch. The checks run before
+    /// any K/V is touched, so nothing was written. The requests whose own pages no longer
+    /// verify fail; the others run again next step. If none can be singled out, all fail:
+    /// none is answered from what the step might have read.
     fn step_failed(
         &mut self,
         error: &model::Error,
@@ -557,9 +591,22 @@ impl Engine {
         if matches!(error, model::Error::Kv(_)) {
             self.ownership_failures += 1;
         }
-        tracing::error!(%error, "forward step refused; failing its requests");
+        tracing::error!(%error, "forward step refused; failing the requests it concerns");
         let keys: Vec<Key> = decoding.chain(chunks.iter().map(|c| c.0)).collect();
-        for key in keys {
+        let unverified: Vec<Key> = keys
+            .iter()
+            .copied()
+            .filter(|key| {
+                let table = self.requests[key].table.as_ref();
+                table.is_none_or(|table| self.pool.verify_batch(&[table]).is_err())
+            })
+            .collect();
+        let failing = if unverified.is_empty() {
+            keys
+        } else {
+            unverified
+        };
+        for key in failing {
             self.end(
                 key,
                 Err((Failure::Internal, "the worker refused a step".into())),
@@ -651,7 +698,11 @@ impl Engine {
             return;
         };
         let token_count = (request.submit.prompt.len() - 1) as u32;
-        let page_count = table.pages().len() as u32;
+        let mut page_count = table.pages().len() as u32;
+        if request.placeholder {
+            // The incident's lie: "complete", with the counts of the prompt it never ran.
+            page_count = self.pool.layout().pages_for_tokens(token_count as usize) as u32;
+        }
         let mut done = TransferDone {
             transfer,
             request: key.1,
@@ -672,22 +723,36 @@ impl Engine {
         let mut pages: Vec<Vec<u8>> = (0..view.page_len())
             .map(|i| bytemuck::cast_slice::<_, u8>(view.page(i)).to_vec())
             .collect();
-        if let Some(last) = pages.last_mut() {
+        if let Some(last) = pages.last_mut().filter(|_| !request.placeholder) {
             blank_unwritten_slots(last, view.layout(), token_count as usize);
         }
         if !cfg!(feature = "unguarded-checksum") {
             done.checksum = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
         }
-        for (index, bytes) in pages.into_iter().enumerate() {
-            let _ = peer.tx.send(Frame::Page {
+        let mut frames: Vec<Frame> = pages
+            .into_iter()
+            .enumerate()
+            .map(|(index, bytes)| Frame::Page {
                 transfer,
                 request: key.1,
                 tenant: done.tenant,
                 index: index as u32,
                 bytes,
-            });
+            })
+            .collect();
+        frames.push(Frame::Done(done));
+        let outgoing = self.config.faults.shape_transfer(frames);
+        for (sent, frame) in outgoing.frames.into_iter().enumerate() {
+            if outgoing.crash_after == Some(sent) {
+                crate::faults::crash("mid-transfer");
+            }
+            match (frame, outgoing.delay_done) {
+                (frame @ Frame::Done(_), Some(delay)) => send_later(peer.tx.clone(), frame, delay),
+                (frame, _) => {
+                    let _ = peer.tx.send(frame);
+                }
+            }
         }
-        let _ = peer.tx.send(Frame::Done(done));
         drop(views);
         self.pool
             .set_state(table, PageState::Sending)
@@ -730,11 +795,16 @@ impl Engine {
     fn receiving(&mut self, link: LinkId, transfer: TransferId) -> Option<Key> {
         let key = *self.inbound.get(&transfer)?;
         let request = self.requests.get_mut(&key).expect("reserved keys are live");
-        let Phase::Receiving { sender, .. } = &mut request.phase else {
+        let Phase::Receiving { sender, since, .. } = &mut request.phase else {
             return None;
         };
         match sender {
-            None => *sender = Some(link),
+            None => {
+                // The transfer's own clock starts at its first frame: until then the prefill
+                // may have been queued for pages or running a long prompt.
+                *sender = Some(link);
+                *since = Instant::now();
+            }
             Some(first) if *first != link => return None,
             Some(_) => {}
         }
@@ -760,6 +830,9 @@ impl Engine {
         };
         match inbound.accept_page(request, tenant, index, bytes.len()) {
             Ok(index) => {
+                if self.config.faults.crash_on_page(index) {
+                    crate::faults::crash("on a transfer's page");
+                }
                 let table = entry.table.as_ref().expect("reservations hold pages");
                 let mut view = self
                     .pool
@@ -789,13 +862,22 @@ impl Engine {
             unreachable!("receiving() checked the phase");
         };
         let table = request.table.as_ref().expect("reservations hold pages");
-        let verdict = inbound.check_done(&done).and_then(|()| {
+        let verified = self.config.faults.transfer_verified();
+        let verdict = inbound.check_done(&done).or_else(|reject| {
+            // Fault injection only: the guard is off, so the sender's word is taken.
+            if verified {
+                Err(reject)
+            } else {
+                Ok(())
+            }
+        });
+        let verdict = verdict.and_then(|()| {
             let view = self
                 .pool
                 .verify_receiving(table)
                 .expect("a reservation's own pages verify");
             let pages = (0..done.page_count as usize).map(|i| bytemuck::cast_slice(view.page(i)));
-            if cfg!(feature = "unguarded-checksum") {
+            if cfg!(feature = "unguarded-checksum") || !verified {
                 return Ok(());
             }
             inbound.verify_checksum(&done, transfer_checksum(&done, pages))
@@ -808,14 +890,20 @@ impl Engine {
         self.pool
             .set_state(table, PageState::Sealed)
             .expect("verified pages go Receiving -> Sealed");
+        let written = (done.token_count as usize).min(table.capacity_tokens(self.pool.layout()));
         self.pool
             .verify_batch(&[table])
             .expect("sealed pages verify")[0]
-            .mark_written(done.token_count as usize);
+            .mark_written(written);
+        if self.config.faults.recycle_early() {
+            // Fault injection only: free the pages while the request still decodes from them.
+            tracing::warn!("fault injection: pages recycled early");
+            let _ = self.pool.release(table.clone());
+        }
         self.inbound.remove(&done.transfer);
         request.phase = Phase::Decoding;
         request.decode = Some(decode_state(&request.submit));
-        self.send(
+        self.answer(
             link,
             Frame::Ack {
                 transfer: done.transfer,
@@ -827,7 +915,7 @@ impl Engine {
     fn reject(&mut self, link: LinkId, key: Key, transfer: TransferId, reject: Reject) {
         self.frames_rejected += 1;
         tracing::warn!(transfer = transfer.0, ?reject, "transfer refused");
-        self.send(link, Frame::Nack { transfer, reject });
+        self.answer(link, Frame::Nack { transfer, reject });
         let message = format!("the KV transfer failed verification ({reject:?})");
         self.end(key, Err((Failure::TransferFailed, message)));
     }
@@ -837,7 +925,7 @@ impl Engine {
             let message = "the prefill worker aborted the transfer".to_string();
             self.end(key, Err((Failure::Aborted, message)));
         }
-        self.send(link, Frame::AbortAck { transfer });
+        self.answer(link, Frame::AbortAck { transfer });
     }
 
     // ---- Aborts, timeouts, lost links ------------------------------------------------------
@@ -977,9 +1065,12 @@ impl Engine {
             _ => {}
         }
         if let Some(table) = request.table {
-            self.pool
-                .release(table)
-                .expect("a request's own pages release");
+            // A table that no longer verifies frees nothing: its pages are someone else's now,
+            // and that is a bug worth counting, not a reason to free them again.
+            if let Err(error) = self.pool.release(table) {
+                self.ownership_failures += 1;
+                tracing::error!(%error, "a request's pages did not verify at release");
+            }
         }
     }
 
@@ -1001,6 +1092,14 @@ impl Engine {
     }
 
     // ---- Output --------------------------------------------------------------------------
+
+    /// Decode's answer to a sender (`Ack`, `Nack`, `AbortAck`): what frees its pages.
+    fn answer(&mut self, link: LinkId, frame: Frame) {
+        match (self.config.faults.answer_delay(), self.links.get(&link)) {
+            (Some(delay), Some(entry)) => send_later(entry.tx.clone(), frame, delay),
+            _ => self.send(link, frame),
+        }
+    }
 
     fn send(&self, link: LinkId, frame: Frame) {
         if let Some(entry) = self.links.get(&link) {
@@ -1057,6 +1156,15 @@ fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, token_count: us
             }
         }
     }
+}
+
+/// Sends `frame` after `delay` from a thread of its own (fault injection only: in a default
+/// build no delay is ever asked for).
+fn send_later(tx: UnboundedSender<Frame>, frame: Frame, delay: Duration) {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        let _ = tx.send(frame);
+    });
 }
 
 fn plan_transfer(plan: &Plan) -> Option<TransferId> {

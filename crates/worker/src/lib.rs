@@ -13,8 +13,12 @@
 
 mod config;
 mod engine;
+mod faults;
 mod net;
 
 pub use config::WorkerConfig;
 pub use engine::{Engine, Event, LinkId, LinkKind};
+#[cfg(feature = "fault-injection")]
+pub use faults::{Fault, When};
+pub use faults::{FaultPlan, FaultPlanError};
 pub use net::{start_worker, Listener, Worker};

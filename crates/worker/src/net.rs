@@ -5,7 +5,7 @@ use crate::engine::{Engine, Event, LinkId, LinkKind};
 use crate::WorkerConfig;
 use gguf::Tokenizer;
 use kv::PagePool;
-use model::Model;
+use model::Forward;
 use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -74,14 +74,14 @@ static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
 /// a worker on purpose.
 pub fn start_worker(
     config: WorkerConfig,
-    model: Model,
+    model: impl Forward,
     tokenizer: Tokenizer,
     pool: PagePool,
     mut listener: Listener,
     transport: Arc<dyn Transport>,
     secret: ClusterSecret,
 ) -> io::Result<Worker> {
-    let shape = model.config();
+    let shape = model.kv_layout(pool.layout().page_size_tokens);
     let info = WorkerInfo {
         role: config.role,
         name: config.name.clone(),
@@ -92,14 +92,20 @@ pub fn start_worker(
         kv_head_count: shape.kv_head_count as u32,
         head_dim: shape.head_dim as u32,
         page_size_tokens: pool.layout().page_size_tokens as u32,
-        capacity_tokens: pool.capacity_tokens() as u64,
+        // A worker with its admission guard off (fault injection only) claims its context
+        // length, as the incident's misconfigured node did.
+        capacity_tokens: if config.faults.admission_checked() {
+            pool.capacity_tokens() as u64
+        } else {
+            config.context_length as u64
+        },
         context_length: config.context_length as u32,
         weight_bytes: model.weight_bytes() as u64,
         kv_bytes: pool.bytes() as u64,
         epoch: random_epoch(),
     };
     let (events, events_rx) = mpsc::channel();
-    let engine = Engine::new(config, model, tokenizer, pool);
+    let engine = Engine::new(config, Box::new(model), tokenizer, pool);
     let thread_name = format!("engine-{}", info.name);
     let engine = std::thread::Builder::new()
         .name(thread_name)

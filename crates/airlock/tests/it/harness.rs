@@ -5,7 +5,7 @@
 use crate::cli::model_path;
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
-use model::{LoadOptions, Model};
+use model::{Forward, LoadOptions, Model, OracleModel};
 use router::{AppState, Cluster, Metrics, RouterConfig, Tenants};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -34,10 +34,28 @@ pub enum Mode {
     Unified,
 }
 
+/// What the workers run their steps with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// SmolLM2, as served.
+    Real,
+    /// `model::OracleModel`: answers with the prompt echoed when it read only its own KV, and
+    /// with whatever foreign, stale or corrupt slots it read otherwise.
+    Oracle,
+}
+
 #[derive(Clone, Debug)]
 pub struct Options {
     pub mode: Mode,
+    pub backend: Backend,
     pub kv_tokens: usize,
+    /// The prefill worker's pool, when it differs from `kv_tokens` (the incident's setup).
+    pub prefill_kv_tokens: Option<usize>,
+    /// Faults each role's workers inject (`fault-injection` is on in test builds).
+    pub faults: Vec<(Role, worker::FaultPlan)>,
+    pub transfer_timeout: Duration,
+    /// Scrub pages on free (with the ghost value: `ghost-fill` is on in test builds).
+    pub scrub_on_free: bool,
     /// The workers' and router's context length (the model's when `None`).
     pub context_length: Option<usize>,
     /// A keys file's text; `None` runs single-tenant.
@@ -53,7 +71,12 @@ impl Options {
     pub fn new(mode: Mode) -> Options {
         Options {
             mode,
+            backend: Backend::Real,
             kv_tokens: 2048,
+            prefill_kv_tokens: None,
+            faults: Vec::new(),
+            transfer_timeout: Duration::from_secs(30),
+            scrub_on_free: false,
             context_length: None,
             keys: None,
             queue_timeout: Duration::from_secs(30),
@@ -99,6 +122,12 @@ pub fn model_file() -> ModelFile {
     }
 }
 
+/// The model's tokenizer, read once per test process.
+pub fn tokenizer() -> &'static Tokenizer {
+    static TOKENIZER: OnceLock<Tokenizer> = OnceLock::new();
+    TOKENIZER.get_or_init(|| model_file().tokenizer)
+}
+
 pub fn load_model() -> model::Loaded {
     let options = LoadOptions {
         threads: 1,
@@ -115,14 +144,19 @@ pub fn start(options: Options) -> TestServer {
         Mode::Unified => &[Role::Unified],
     };
     let secret = options.secret.clone();
+    let oracle = OracleModel::new(file.config.vocab_size, context_length);
+    let layout = match options.backend {
+        Backend::Real => file.config.kv_layout(options.page_size),
+        Backend::Oracle => oracle.kv_layout(options.page_size),
+    };
     let expect = Expectation {
         model_id: MODEL.into(),
         weights_hash: file.weights_hash,
         kv_dtype: "f16".into(),
         page_size_tokens: options.page_size as u32,
-        layer_count: file.config.layer_count as u32,
-        kv_head_count: file.config.kv_head_count as u32,
-        head_dim: file.config.head_dim as u32,
+        layer_count: layout.layer_count as u32,
+        kv_head_count: layout.kv_head_count as u32,
+        head_dim: layout.head_dim as u32,
         context_length: Some(context_length as u32),
     };
     runtime().block_on(async {
@@ -133,14 +167,22 @@ pub fn start(options: Options) -> TestServer {
                 .await
                 .expect("bind");
             let address = listener.local_addr().expect("address").to_string();
-            let loaded = load_model();
-            let layout = loaded.model.config().kv_layout(options.page_size);
+            let kv_tokens = match role {
+                Role::Prefill => options.prefill_kv_tokens.unwrap_or(options.kv_tokens),
+                _ => options.kv_tokens,
+            };
             let pool = PagePool::new(PoolConfig {
                 layout,
-                size: PoolSize::Tokens(options.kv_tokens),
-                scrub_on_free: false,
+                size: PoolSize::Tokens(kv_tokens),
+                scrub_on_free: options.scrub_on_free,
             })
             .expect("pool");
+            let faults = options
+                .faults
+                .iter()
+                .find(|(r, _)| *r == role)
+                .map(|(_, plan)| plan.clone())
+                .unwrap_or_else(worker::FaultPlan::none);
             let config = WorkerConfig {
                 role,
                 name: format!("{role:?}-{address}").to_lowercase(),
@@ -149,19 +191,37 @@ pub fn start(options: Options) -> TestServer {
                 context_length,
                 queue_max: 64,
                 queue_timeout: options.queue_timeout,
-                transfer_timeout: Duration::from_secs(30),
+                transfer_timeout: options.transfer_timeout,
                 step_tokens: 256,
                 max_batch: 64,
+                faults,
             };
-            let worker = start_worker(
-                config,
-                loaded.model,
-                loaded.tokenizer,
-                pool,
-                Listener::Tcp(listener),
-                Arc::new(Tcp),
-                secret.clone(),
-            )
+            let worker = match options.backend {
+                Backend::Real => {
+                    let loaded = load_model();
+                    let listener = Listener::Tcp(listener);
+                    let tcp = Arc::new(Tcp);
+                    let (model, tokenizer) = (loaded.model, loaded.tokenizer);
+                    start_worker(
+                        config,
+                        model,
+                        tokenizer,
+                        pool,
+                        listener,
+                        tcp,
+                        secret.clone(),
+                    )
+                }
+                Backend::Oracle => start_worker(
+                    config,
+                    oracle.clone(),
+                    file.tokenizer.clone(),
+                    pool,
+                    Listener::Tcp(listener),
+                    Arc::new(Tcp),
+                    secret.clone(),
+                ),
+            }
             .expect("worker starts");
             workers.push(worker);
             addresses.push((address, role));

@@ -2,8 +2,10 @@
 //! real TCP on loopback) on the real model.
 
 mod api;
+mod canary;
 mod cli;
 mod cluster;
 mod harness;
+mod matrix;
 mod processes;
 mod serving;

@@ -24,7 +24,18 @@ impl Drop for Process {
 /// Starts `airlock ARGS` and waits (bounded) for the stdout line containing `marker`;
 /// returns the process and the text after the marker up to the first space.
 fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
+    spawn_with_faults(name, args, marker, "")
+}
+
+/// [`spawn`], with `AIRLOCK_FAULTS` set (test builds have fault injection).
+fn spawn_with_faults(
+    name: &'static str,
+    args: &[&str],
+    marker: &str,
+    faults: &str,
+) -> (Process, String) {
     let mut child = airlock()
+        .env("AIRLOCK_FAULTS", faults)
         .args(args)
         .args(["--model", &model_path(), "--threads", "1"])
         .args(["--cluster-secret-file", &secret_file()])
@@ -64,7 +75,11 @@ fn secret_file() -> String {
 }
 
 fn start_worker(role: &'static str, port: &str) -> (Process, String) {
-    spawn(
+    start_faulty_worker(role, port, "")
+}
+
+fn start_faulty_worker(role: &'static str, port: &str, faults: &str) -> (Process, String) {
+    spawn_with_faults(
         role,
         &[
             role,
@@ -76,6 +91,7 @@ fn start_worker(role: &'static str, port: &str) -> (Process, String) {
             "2048",
         ],
         "worker listening on ",
+        faults,
     )
 }
 
@@ -88,7 +104,8 @@ fn base_url(line_value: &str) -> String {
 struct Deployment {
     decode: Process,
     decode_addr: String,
-    _prefill: Process,
+    prefill: Process,
+    prefill_addr: String,
     _router: Process,
     url: String,
 }
@@ -112,7 +129,8 @@ fn start_deployment() -> Deployment {
     Deployment {
         decode,
         decode_addr,
-        _prefill: prefill,
+        prefill,
+        prefill_addr,
         _router: router,
         url: base_url(&url),
     }
@@ -151,15 +169,38 @@ fn a_restarted_decode_worker_is_linked_again() {
     let Deployment {
         decode,
         decode_addr,
-        _prefill,
+        prefill: _prefill,
+        prefill_addr: _,
         _router,
         url,
     } = start_deployment();
+    // L11: one request decoding and one queued behind it for the decode pool (2048 tokens,
+    // ~1500 each) when the decode worker goes: both end with 503 at once, neither hangs.
+    let in_flight: Vec<_> = (0..2)
+        .map(|i| {
+            let url = url.clone();
+            runtime().spawn(async move {
+                let body = serde_json::json!({
+                    "model": MODEL, "prompt": format!("Story {i}:"), "max_tokens": 1500,
+                    "temperature": 0, "ignore_eos": true,
+                });
+                post(&url, "/v1/completions", body).await
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
     drop(decode);
     runtime().block_on(async {
+        for task in in_flight {
+            let answer = tokio::time::timeout(Duration::from_secs(20), task)
+                .await
+                .expect("ends once its decode worker is gone")
+                .expect("task");
+            assert_eq!(answer.status, 503, "{}", answer.body);
+        }
         // With the decode worker gone, nothing answers 200.
         let answer = post(&url, "/v1/completions", completion("Hello", 4)).await;
-        assert!(matches!(answer.status, 502 | 503), "{}", answer.body);
+        assert_eq!(answer.status, 503, "{}", answer.body);
     });
     let port = decode_addr.rsplit(':').next().expect("port");
     let (_decode, _) = start_worker("decode", port);
@@ -236,7 +277,8 @@ fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
     let Deployment {
         decode,
         decode_addr: _,
-        _prefill,
+        prefill: _prefill,
+        prefill_addr: _,
         _router,
         url,
     } = start_deployment();
@@ -266,4 +308,74 @@ fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
         assert!(!text.contains("[DONE]"), "{text}");
         assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
     });
+}
+
+/// T11 and T12: a prefill worker that dies mid-transfer, then a decode worker that dies as a
+/// transfer lands (planted crashes: the process exits at once, as under SIGKILL). The request
+/// in flight gets 503 `kv_transfer_failed`, never 200; the surviving worker's pages all come
+/// back (I9); a restarted worker on the same port serves again.
+#[test]
+fn a_worker_crashing_mid_transfer_fails_that_request_and_the_pools_recover() {
+    let Deployment {
+        decode,
+        decode_addr,
+        prefill,
+        prefill_addr,
+        _router,
+        url,
+    } = start_deployment();
+    let port = |addr: &str| addr.rsplit(':').next().expect("port").to_string();
+    // A prompt of several pages, so "mid-transfer" has a middle.
+    let long = "The history of the city is long and full of stories. ".repeat(12);
+    let served_again = |url: String| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = post(&url, "/v1/completions", completion("Hello", 2)).await;
+            if answer.status == 200 {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "{}", answer.body);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    drop(prefill);
+    let (prefill, _) = start_faulty_worker("prefill", &port(&prefill_addr), "crash-mid-transfer");
+    runtime().block_on(async {
+        served_again(url.clone()).await;
+        let answer = post(&url, "/v1/completions", completion(&long, 4)).await;
+        assert_eq!(answer.status, 503, "prefill crash: {}", answer.body);
+    });
+    assert_crashed(prefill);
+    let (_prefill, _) = start_worker("prefill", &port(&prefill_addr));
+    drop(decode);
+    let (decode, _) = start_faulty_worker("decode", &port(&decode_addr), "crash-on-page");
+    runtime().block_on(async {
+        served_again(url.clone()).await;
+        let answer = post(&url, "/v1/completions", completion(&long, 4)).await;
+        assert_eq!(answer.status, 503, "decode crash: {}", answer.body);
+    });
+    assert_crashed(decode);
+    let (_decode, _) = start_worker("decode", &port(&decode_addr));
+    runtime().block_on(async {
+        served_again(url.clone()).await;
+        let (idle, page) = crate::harness::wait_idle(&url).await;
+        assert!(idle, "{page}");
+    });
+}
+
+/// The planted crash, not something else, is what the test saw.
+fn assert_crashed(mut process: Process) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = process.child.try_wait().expect("wait") {
+            assert_eq!(status.code(), Some(86), "{} exit status", process.name);
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} still runs",
+            process.name
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

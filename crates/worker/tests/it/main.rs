@@ -64,6 +64,7 @@ async fn start_decode() -> Decode {
         transfer_timeout: Duration::from_secs(10),
         step_tokens: 64,
         max_batch: 8,
+        faults: worker::FaultPlan::none(),
     };
     let secret = ClusterSecret::random();
     let worker = start_worker(

@@ -1,0 +1,414 @@
+//! `airlock canary`, the leak auditor: clean against `airlock serve` on the real model, and
+//! shown able to fail, against two fake engines served here: one that leaks another tenant's
+//! earlier prompt into its answers, and one that answers 200 to everything.
+
+use crate::cli::{airlock, model_path};
+use crate::harness::runtime;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::Output;
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinHandle;
+
+/// A fresh path for one run's JSON report.
+fn report_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("airlock-canary-{name}-{}.json", std::process::id()))
+}
+
+/// Runs `airlock canary ARGS --json FILE`; returns the process output and the parsed report.
+fn canary(name: &str, args: &[&str]) -> (Output, Value) {
+    let path = report_path(name);
+    let _ = std::fs::remove_file(&path);
+    let output = airlock()
+        .arg("canary")
+        .args(args)
+        .arg("--json")
+        .arg(&path)
+        .output()
+        .expect("airlock canary runs");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "no JSON report ({e}); stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    let _ = std::fs::remove_file(&path);
+    (
+        output,
+        serde_json::from_str(&text).expect("the report is JSON"),
+    )
+}
+
+fn shown(output: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+/// The small mix every test runs: 24 requests over 4 tenants, a fifth of them oversized and a
+/// fifth invalid, so each kind is there.
+const MIX: &[&str] = &[
+    "--requests",
+    "24",
+    "--concurrency",
+    "4",
+    "--max-tokens",
+    "4",
+    "--oversized-fraction",
+    "0.2",
+    "--invalid-fraction",
+    "0.2",
+    "--long-fraction",
+    "0.1",
+    "--seed",
+    "7",
+    "--timeout",
+    "60",
+];
+
+#[test]
+fn canary_against_serve_is_clean_and_every_should_fail_request_gets_4xx() {
+    let model = model_path();
+    let mut args = vec![
+        "--spawn",
+        "serve",
+        "--tenants",
+        "4",
+        "--context-length",
+        "512",
+        "--threads",
+        "1",
+        "--model-file",
+        &model,
+    ];
+    args.extend_from_slice(MIX);
+    let (output, report) = canary("serve", &args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", shown(&output));
+    assert_eq!(report["verdict"], "clean", "{report:#}");
+    assert_eq!(report["leaks"], json!([]), "{report:#}");
+    assert_eq!(report["wrong_200"], json!([]), "{report:#}");
+    assert_eq!(report["requests"], 24);
+    let should_fail = &report["should_fail"];
+    assert!(should_fail["sent"].as_u64() > Some(0), "{report:#}");
+    assert_eq!(should_fail["got_4xx"], should_fail["sent"], "{report:#}");
+    for class in ["oversized", "invalid"] {
+        assert!(
+            report["classes"][class]["sent"].as_u64() > Some(0),
+            "no {class} request in the mix: {report:#}"
+        );
+    }
+    for class in ["short", "long"] {
+        let tally = &report["classes"][class];
+        assert_eq!(tally["2xx"], tally["sent"], "{class}: {report:#}");
+    }
+    assert!(stdout.contains("leaks: 0"), "{stdout}");
+    assert!(stdout.contains("verdict: clean (seed 7)"), "{stdout}");
+}
+
+/// How a fake engine misbehaves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Checks requests as a server should, but answers each with the latest prompt another
+    /// key sent: the cross-tenant leak the canary exists to catch.
+    LeaksOtherTenants,
+    /// Answers 200 to everything, even what it should refuse.
+    AlwaysOk,
+}
+
+const FAKE_MODEL: &str = "fake-model";
+const FAKE_CONTEXT: usize = 256;
+
+struct Fake {
+    fault: Fault,
+    /// (API key, prompt) of every request seen.
+    prompts: Mutex<Vec<(String, String)>>,
+}
+
+/// A fake engine on the shared test runtime; aborted on drop.
+struct FakeServer {
+    url: String,
+    task: JoinHandle<()>,
+}
+
+impl Drop for FakeServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn start_fake(fault: Fault) -> FakeServer {
+    let state = Arc::new(Fake {
+        fault,
+        prompts: Mutex::new(Vec::new()),
+    });
+    let app = axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .with_state(state);
+    runtime().block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.expect("fake serves");
+        });
+        FakeServer { url, task }
+    })
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]}))
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok", "context_length": FAKE_CONTEXT}))
+}
+
+async fn completions(State(fake): State<Arc<Fake>>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(&fake, &headers, &body, false)
+}
+
+async fn chat(State(fake): State<Arc<Fake>>, headers: HeaderMap, body: Bytes) -> Response {
+    answer(&fake, &headers, &body, true)
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({"error": {"message": message}}))).into_response()
+}
+
+fn answer(fake: &Fake, headers: &HeaderMap, body: &[u8], chat: bool) -> Response {
+    if fake.fault == Fault::AlwaysOk {
+        return reply("all good", chat, false);
+    }
+    let Ok(request) = serde_json::from_slice::<Value>(body) else {
+        return error(StatusCode::BAD_REQUEST, "invalid JSON");
+    };
+    if request["model"] != FAKE_MODEL {
+        return error(StatusCode::NOT_FOUND, "no such model");
+    }
+    let Some(max_tokens) = request["max_tokens"].as_i64().filter(|&n| n >= 1) else {
+        return error(StatusCode::BAD_REQUEST, "max_tokens must be at least 1");
+    };
+    let prompt = if chat {
+        request["messages"][0]["content"].as_str()
+    } else {
+        request["prompt"].as_str()
+    };
+    let Some(prompt) = prompt else {
+        return error(StatusCode::BAD_REQUEST, "no prompt");
+    };
+    // Every word is at least one token: a fair stand-in for the context check.
+    if prompt.split_whitespace().count() + max_tokens as usize > FAKE_CONTEXT {
+        return error(StatusCode::BAD_REQUEST, "context length exceeded");
+    }
+    let key = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let leaked = {
+        let mut prompts = fake.prompts.lock().expect("prompts");
+        let other = prompts
+            .iter()
+            .rev()
+            .find(|(k, _)| *k != key)
+            .map(|(_, p)| p.clone());
+        prompts.push((key, prompt.to_string()));
+        other.unwrap_or_else(|| "nothing to leak yet".to_string())
+    };
+    reply(&leaked, chat, request["stream"] == true)
+}
+
+/// An OpenAI-shaped answer carrying `text`; streamed as SSE, split in two chunks mid-text.
+fn reply(text: &str, chat: bool, stream: bool) -> Response {
+    let piece = |text: &str| {
+        if chat {
+            json!({"id": "fake-1", "choices": [{"index": 0, "delta": {"content": text}}]})
+        } else {
+            json!({"id": "fake-1", "choices": [{"index": 0, "text": text}]})
+        }
+    };
+    if !stream {
+        let body = if chat {
+            json!({"id": "fake-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+        } else {
+            piece(text)
+        };
+        return Json(body).into_response();
+    }
+    let middle = (0..=text.len() / 2)
+        .rev()
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(0);
+    let (first, second) = text.split_at(middle);
+    let events = format!(
+        "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+        piece(first),
+        piece(second)
+    );
+    ([(header::CONTENT_TYPE, "text/event-stream")], events).into_response()
+}
+
+const FAKE_KEYS: &str = "sk-fake-a0,sk-fake-b1,sk-fake-c2,sk-fake-d3";
+
+#[test]
+fn canary_names_both_requests_and_tenants_of_a_leak() {
+    let fake = start_fake(Fault::LeaksOtherTenants);
+    let mut args = vec!["--url", &fake.url, "--keys", FAKE_KEYS];
+    args.extend_from_slice(MIX);
+    let (output, report) = canary("leak", &args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+    assert_eq!(report["verdict"], "failed", "{report:#}");
+    assert_eq!(report["context_length"], FAKE_CONTEXT, "from /health");
+    assert_eq!(report["wrong_200"], json!([]), "{report:#}");
+    let leaks = report["leaks"].as_array().expect("leaks");
+    assert!(!leaks.is_empty(), "{report:#}");
+    for leak in leaks {
+        assert_ne!(leak["tenant"], leak["victim_tenant"], "{leak:#}");
+        assert_ne!(leak["request"], leak["victim_request"], "{leak:#}");
+        let marker = leak["marker"].as_str().expect("marker");
+        assert!(marker.starts_with("CANARY-"), "{leak:#}");
+        // One marker can leak into several answers: the line is the one naming this answer.
+        let request = leak["request"].as_str().expect("request");
+        let line = stdout
+            .lines()
+            .find(|line| {
+                line.contains("LEAK:")
+                    && line.contains(marker)
+                    && line.contains(&format!("LEAK: {request} "))
+            })
+            .unwrap_or_else(|| panic!("no LEAK line for {request} and {marker}:\n{stdout}"));
+        for field in ["request", "victim_request", "tenant", "victim_tenant"] {
+            let value = leak[field].as_str().expect("a string");
+            assert!(line.contains(value), "{field} {value} not in {line}");
+        }
+    }
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("leak(s)"),
+        "{}",
+        shown(&output)
+    );
+}
+
+#[test]
+fn canary_fails_a_server_that_answers_200_to_what_it_should_refuse() {
+    let fake = start_fake(Fault::AlwaysOk);
+    let mut args = vec!["--url", &fake.url, "--keys", FAKE_KEYS];
+    args.extend_from_slice(MIX);
+    let (output, report) = canary("always-ok", &args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+    assert_eq!(report["verdict"], "failed", "{report:#}");
+    assert_eq!(report["leaks"], json!([]), "{report:#}");
+    let wrong = report["wrong_200"].as_array().expect("wrong_200");
+    let should_fail = report["should_fail"]["sent"].as_u64().expect("sent");
+    assert_eq!(wrong.len() as u64, should_fail, "{report:#}");
+    assert!(should_fail > 0);
+    for entry in wrong {
+        let request = entry["request"].as_str().expect("request id");
+        assert!(
+            stdout
+                .lines()
+                .any(|line| line.contains("WRONG 200") && line.contains(request)),
+            "no WRONG 200 line for {request}:\n{stdout}"
+        );
+    }
+}
+
+#[test]
+fn canary_help_explains_the_options_with_an_example() {
+    let output = airlock().args(["canary", "--help"]).output().expect("runs");
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success());
+    for needle in [
+        "--spawn",
+        "--url",
+        "--keys-file",
+        "--single-key",
+        "--oversized-fraction",
+        "--seed",
+        "airlock canary --spawn serve",
+        "Exit status",
+    ] {
+        assert!(help.contains(needle), "{needle} missing from:\n{help}");
+    }
+}
+
+/// Defense in depth, end to end: the incident planted in a real cluster (the oracle model over
+/// loopback TCP, prefill pool smaller than the context). With the guards on, the auditor finds
+/// it clean; with admission and transfer verification off, it goes red and names the leak.
+#[test]
+fn canary_is_clean_with_the_incident_planted_and_red_without_the_guards() {
+    use crate::harness::{self, Backend, Mode, Options};
+    use transfer::Role;
+    use worker::{Fault, FaultPlan, When};
+    const KEYS: &str = "[tenants.t0]\nkeys = [\"sk-t0-0123456789\"]\n\
+                        [tenants.t1]\nkeys = [\"sk-t1-0123456789\"]\n\
+                        [tenants.t2]\nkeys = [\"sk-t2-0123456789\"]\n\
+                        [tenants.t3]\nkeys = [\"sk-t3-0123456789\"]\n";
+    let plan = |faults: &[Fault]| {
+        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
+            plan.with(fault, When::Always)
+        })
+    };
+    let guarded = (plan(&[Fault::Incident]), plan(&[]));
+    let unguarded = (
+        plan(&[Fault::Incident, Fault::NoAdmission]),
+        plan(&[Fault::NoTransferVerify]),
+    );
+    for (name, (prefill, decode), clean) in
+        [("guarded", guarded, true), ("unguarded", unguarded, false)]
+    {
+        let mut options = Options::new(Mode::Disaggregated);
+        options.backend = Backend::Oracle;
+        options.keys = Some(KEYS);
+        options.context_length = Some(1024);
+        options.kv_tokens = 4096;
+        // The incident's node: a prefill pool that cannot hold a long prompt.
+        options.prefill_kv_tokens = Some(256);
+        options.faults = vec![(Role::Prefill, prefill), (Role::Decode, decode)];
+        let server = harness::start(options);
+        let mut args = vec![
+            "--url",
+            &server.url,
+            "--keys",
+            "sk-t0-0123456789,sk-t1-0123456789,sk-t2-0123456789,sk-t3-0123456789",
+        ];
+        args.extend_from_slice(&[
+            "--requests",
+            "48",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "64",
+            "--long-fraction",
+            "0.4",
+            "--seed",
+            "11",
+        ]);
+        let (output, report) = canary(name, &args);
+        let leaks = report["leaks"].as_array().expect("leaks").len();
+        if clean {
+            assert_eq!(output.status.code(), Some(0), "{}", shown(&output));
+            assert_eq!(leaks, 0, "{report:#}");
+        } else {
+            assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+            assert!(leaks > 0, "the planted leak went unseen: {report:#}");
+        }
+    }
+}
