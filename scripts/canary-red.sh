@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# The auditor shown able to fail, on the real model: a deployment with the 2026 incident's bug
-# planted (a prompt over the prefill pool swapped for a one-token placeholder, the transfer
-# claimed complete) and the guards that stop it switched off, audited by `airlock canary`.
+# The 2026 incident's bug planted in a real-model deployment, audited by `airlock canary`: a
+# prompt over the prefill pool is swapped for a one-token placeholder and the transfer claimed
+# complete, with or without the guards that stop it.
 #
-#   scripts/canary-red.sh            # guards off: expect the canary to report leaks, exit 1
-#   scripts/canary-red.sh guarded    # the same bug with the guards on: expect a clean run
+#   scripts/canary-red.sh            # guards off: over-pool prompts are answered 200 from
+#                                    # stale KV (the guarded run answers them 400)
+#   scripts/canary-red.sh guarded    # the same bug with the guards on: long prompts get 400
+#
+# What to read in the report: the `long` row. Guarded, every long prompt gets 400 (admission);
+# unguarded, every one gets 200, decoded from pages that held other tenants' prompts. Whether
+# the marker scan also fires depends on the model repeating another tenant's 8-character code
+# from misplaced KV; SmolLM2-135M did not in our runs (SECURITY.md), which is why the exact red
+# run is the oracle-model one in `cargo test`.
 #
 # Builds `airlock` with the test-only `fault-injection` feature into target/fault-injection
 # (never the default build), then starts decode, prefill and router as three processes on
 # loopback: prefill's pool (512 tokens) is smaller than the context (2048), as on the
-# incident's node. Takes about 5 minutes on 2 cores, most of it the build.
+# incident's node. About 5 minutes on 2 cores, most of it the build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 MODE="${1:-unguarded}"
-REQUESTS="${REQUESTS:-60}"
+REQUESTS="${REQUESTS:-40}"
+CONCURRENCY="${CONCURRENCY:-4}"
 case "$MODE" in
     unguarded)
         PREFILL_FAULTS="incident;no-admission"
@@ -69,8 +77,8 @@ start router "" router --port 38500 --prefill 127.0.0.1:38502 --decode 127.0.0.1
 IFS=,
 set +e
 "$AIRLOCK" canary --url http://127.0.0.1:38500 --keys "${keys[*]}" --requests "$REQUESTS" \
-    --concurrency 4 --max-tokens 48 --long-fraction 0.4 --seed 2026
+    --concurrency "$CONCURRENCY" --max-tokens 48 --long-fraction 0.8 --twin-fraction 1 --seed 2026
 status=$?
 unset IFS
-echo "canary exit status: $status ($MODE: expected $([ "$MODE" = guarded ] && echo 0 || echo 1))"
+echo "canary exit status: $status ($MODE)"
 exit "$status"

@@ -8,6 +8,7 @@
 # Takes about 20 minutes on a quiet 2-core machine. Measures only when the 1-minute load
 # average is under $MAX_LOAD (default 1.5), waiting up to $WAIT_S seconds (default 1800) for
 # it; MAX_LOAD=none measures at once whatever the load (the report prints the load it saw).
+# The load generator and the servers run on the same machine, never two servers at once.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -16,10 +17,15 @@ shift || true
 MAX_LOAD="${MAX_LOAD:-1.5}"
 WAIT_S="${WAIT_S:-1800}"
 
-cargo build --release -p airlock
 # A private copy: a rebuild of target/release during the run cannot change what is measured.
+# AIRLOCK_BIN=path measures that binary instead (no build).
 BIN="$(mktemp -d)/airlock"
-cp target/release/airlock "$BIN"
+if [ -n "${AIRLOCK_BIN:-}" ]; then
+    cp "$AIRLOCK_BIN" "$BIN"
+else
+    cargo build --release -p airlock
+    cp target/release/airlock "$BIN"
+fi
 
 waited=0
 while [ "$MAX_LOAD" != none ] && awk -v max="$MAX_LOAD" '{ exit !($1 >= max) }' /proc/loadavg; do

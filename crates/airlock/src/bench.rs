@@ -86,6 +86,12 @@ pub struct Args {
     /// (Debian package fonts-dejavu-core)
     #[arg(long, value_name = "DIR")]
     plot: Option<PathBuf>,
+    /// --queue-timeout-ms for spawned serve/unified. Their time to first token may not exceed
+    /// queue + transfer timeout (60 s by default), and a prompt near the context length takes
+    /// longer than that to prefill on a small machine [default: 600000 with a prompt-tokens
+    /// sweep, else the server's own]
+    #[arg(long, value_name = "MS")]
+    queue_timeout_ms: Option<u64>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -149,6 +155,9 @@ pub fn run(mut args: Args) -> Result<()> {
     let sweeps = Sweeps::parse(&args.sweep)?;
     if let Some(levels) = &sweeps.concurrency {
         args.concurrency = levels.clone();
+    }
+    if sweeps.prompt_tokens.is_some() && args.queue_timeout_ms.is_none() {
+        args.queue_timeout_ms = Some(600_000);
     }
     if let Some(dir) = &args.plot {
         // Fail before minutes of measuring, not after.
@@ -553,6 +562,9 @@ impl Server {
                 let mut command = Command::new(std::env::current_exe()?);
                 command.args([name, "--port", &port, "--threads", &threads]);
                 command.arg("--model").arg(&model);
+                if let Some(ms) = args.queue_timeout_ms {
+                    command.args(["--queue-timeout-ms", &ms.to_string()]);
+                }
                 (command, crate::serve::DEFAULT_MODEL_NAME.to_string())
             }
             "llama-cpp" => {

@@ -97,6 +97,12 @@ pub struct Args {
     /// Fraction of long prompts, near the context length: should succeed
     #[arg(long, default_value_t = 0.05)]
     long_fraction: f64,
+    /// Fraction of should-succeed requests sent twice in a row (greedy): the two answers must
+    /// be identical. A server that answers from KV that is not the request's own (stale or
+    /// foreign pages) answers twins differently, even when the model repeats no marker. Only
+    /// for engines whose greedy decoding is deterministic (Airlock's is)
+    #[arg(long, default_value_t = 0.0)]
+    twin_fraction: f64,
     /// Seed of the whole run (tenants' markers, prompt mix, endpoints); printed at the start
     /// and in the report, so the same run can be repeated [default: random]
     #[arg(long)]
@@ -228,6 +234,7 @@ struct Options {
     oversized: f64,
     invalid: f64,
     long: f64,
+    twins: f64,
     timeout: Duration,
 }
 
@@ -237,6 +244,7 @@ impl Options {
             ("--oversized-fraction", args.oversized_fraction),
             ("--invalid-fraction", args.invalid_fraction),
             ("--long-fraction", args.long_fraction),
+            ("--twin-fraction", args.twin_fraction),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 bail!("{name} must be between 0 and 1 (got {value})");
@@ -270,6 +278,7 @@ impl Options {
             oversized: args.oversized_fraction,
             invalid: args.invalid_fraction,
             long: args.long_fraction,
+            twins: args.twin_fraction,
             timeout: Duration::from_secs_f64(args.timeout),
         })
     }
@@ -549,6 +558,8 @@ struct Plan {
     endpoint: Endpoint,
     stream: bool,
     body: Vec<u8>,
+    /// Sent again once answered; both answers must agree.
+    twin: bool,
 }
 
 impl Plan {
@@ -664,6 +675,8 @@ fn plan(setup: &Setup, index: usize, registry: &Registry) -> Plan {
         Class::Oversized => oversized(&request, &mut rng, &marker, short_words),
         Class::Invalid => invalid(&request, &mut rng, &marker, short_words),
     };
+    // Drawn last, so a seed's requests are the same with or without twins.
+    let twin = !class.should_fail() && rng.unit() < setup.options.twins;
     Plan {
         index,
         tenant,
@@ -672,6 +685,7 @@ fn plan(setup: &Setup, index: usize, registry: &Registry) -> Plan {
         endpoint,
         stream,
         body,
+        twin,
     }
 }
 
@@ -1010,6 +1024,16 @@ struct WrongAnswer {
     body: String,
 }
 
+/// A request sent twice (greedy) whose two answers differ.
+#[derive(Clone, Debug)]
+struct Inconsistent {
+    request: usize,
+    tenant: usize,
+    what: String,
+    first: String,
+    second: String,
+}
+
 /// Requests of one class by how they ended.
 #[derive(Default)]
 struct Tally {
@@ -1041,6 +1065,9 @@ struct Audit {
     /// A tenant's own marker from another of its requests: informational.
     echoes: Vec<Finding>,
     wrong: Vec<WrongAnswer>,
+    /// Greedy twins answered differently.
+    inconsistent: Vec<Inconsistent>,
+    twins_compared: usize,
     /// Seconds of the should-succeed requests answered 2xx.
     latencies: Vec<f64>,
     /// A few 5xx and transport errors, to show what they were.
@@ -1108,6 +1135,23 @@ impl Audit {
             } else {
                 self.leaks.push(finding);
             }
+        }
+    }
+
+    /// Both twins answered 200: their texts must be equal.
+    fn compare_twins(&mut self, plan: &Plan, first: &Outcome, second: &Outcome) {
+        if second.status != Ok(200) || first.cut_short.is_some() || second.cut_short.is_some() {
+            return;
+        }
+        self.twins_compared += 1;
+        if first.text != second.text {
+            self.inconsistent.push(Inconsistent {
+                request: plan.index,
+                tenant: plan.tenant,
+                what: plan.describe(),
+                first: clip(&first.text, 120),
+                second: clip(&second.text, 120),
+            });
         }
     }
 
@@ -1213,6 +1257,13 @@ async fn audit(setup: &Setup) -> Audit {
             let scanned = format!("{}\n{}", outcome.body, outcome.text);
             let found = registry.find(&scanned);
             lock(&audit).record(&plan, &outcome, &found);
+            if plan.twin && outcome.status == Ok(200) {
+                let twin = send(setup, &plan).await;
+                let found = registry.find(&format!("{}\n{}", twin.body, twin.text));
+                let mut audit = lock(&audit);
+                audit.record(&plan, &twin, &found);
+                audit.compare_twins(&plan, &outcome, &twin);
+            }
         }
     });
     let progress = async {
@@ -1249,9 +1300,11 @@ impl Verdict {
         match self {
             Verdict::Clean => "clean".to_string(),
             Verdict::Failed => format!(
-                "FAILED: {} leak(s), {} should-fail request(s) answered 2xx",
+                "FAILED: {} leak(s), {} should-fail request(s) answered 2xx, {} greedy twin(s) \
+                 answered differently",
                 audit.leaks.len(),
-                audit.wrong.len()
+                audit.wrong.len(),
+                audit.inconsistent.len()
             ),
             Verdict::Inconclusive => "INCONCLUSIVE: no request that should succeed got a 2xx, \
                  so no answer was audited (check the URL, keys and --model)"
@@ -1269,7 +1322,7 @@ struct Report<'a> {
 impl Report<'_> {
     fn verdict(&self) -> Verdict {
         let audit = self.audit;
-        if !audit.leaks.is_empty() || !audit.wrong.is_empty() {
+        if !audit.leaks.is_empty() || !audit.wrong.is_empty() || !audit.inconsistent.is_empty() {
             return Verdict::Failed;
         }
         let sent: usize = audit.should_succeed().map(|t| t.sent).sum();
@@ -1380,6 +1433,24 @@ impl Report<'_> {
             println!("  LEAK: {}", self.finding(leak));
         }
         more(audit.leaks.len(), LINES_SHOWN);
+        if audit.twins_compared > 0 {
+            println!(
+                "greedy twins compared: {}, answered differently: {}",
+                audit.twins_compared,
+                audit.inconsistent.len()
+            );
+        }
+        for twin in audit.inconsistent.iter().take(LINES_SHOWN) {
+            println!(
+                "  INCONSISTENT: {} (tenant {}; {}) answered {:?}, then {:?}",
+                request_id(twin.request),
+                self.tenant(twin.tenant),
+                twin.what,
+                twin.first,
+                twin.second
+            );
+        }
+        more(audit.inconsistent.len(), LINES_SHOWN);
         println!(
             "own-tenant markers of another request (informational): {}",
             audit.echoes.len()
@@ -1484,6 +1555,18 @@ impl Report<'_> {
             },
             "leaks": audit.leaks.iter().map(finding).collect::<Vec<_>>(),
             "wrong_200": wrong,
+            "twins_compared": audit.twins_compared,
+            "inconsistent_twins": audit
+                .inconsistent
+                .iter()
+                .map(|t| serde_json::json!({
+                    "request": request_id(t.request),
+                    "tenant": self.tenant(t.tenant),
+                    "what": t.what,
+                    "first": t.first,
+                    "second": t.second,
+                }))
+                .collect::<Vec<_>>(),
             "own_tenant_echoes": audit.echoes.iter().map(finding).collect::<Vec<_>>(),
             "failures_seen": audit.failures_seen,
             "failures": audit.failures,
