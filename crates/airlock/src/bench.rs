@@ -92,6 +92,9 @@ pub struct Args {
     /// sweep, else the server's own]
     #[arg(long, value_name = "MS")]
     queue_timeout_ms: Option<u64>,
+    /// Measure nothing: redraw the charts of an earlier run from its bench.json into --plot DIR
+    #[arg(long, value_name = "FILE", requires = "plot")]
+    replot: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -133,6 +136,8 @@ struct PromptPoint {
     ttft: Vec<f64>,
     /// Per request: tokens after the first / time after the first.
     decode_tok_s: Vec<f64>,
+    /// Per request: streamed text chunks (tokens); under max_tokens when the model stopped.
+    output_tokens: Vec<usize>,
     failed: usize,
 }
 
@@ -145,6 +150,11 @@ struct TargetResult {
     /// Where each load level began, seconds since the target's start, for the pool chart.
     markers: Vec<(f64, String)>,
 }
+
+/// The untimed first request. Never one of the measured prompts: llama.cpp's server keeps the
+/// previous request's KV and reuses the longest common prefix, so warming up with a measured
+/// prompt would hand that prompt a free prefill.
+const WARM_UP_PROMPT: &str = "Warm-up request: reply with one short sentence.";
 
 /// Requests sent at one concurrency level: --requests, at least twice the level.
 fn requests_for(args: &Args, concurrency: usize) -> usize {
@@ -163,6 +173,17 @@ pub fn run(mut args: Args) -> Result<()> {
         // Fail before minutes of measuring, not after.
         bench_plot::register_font()?;
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        if let Some(file) = &args.replot {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", file.display()))?;
+            let (results, transfer) = results_from_json(&json)
+                .with_context(|| format!("{} is not an `airlock bench` report", file.display()))?;
+            let written = write_charts(dir, &results, transfer.as_ref())?;
+            println!("wrote {}", written.join(", "));
+            return Ok(());
+        }
     }
     let (min_words, max_words) = parse_range(&args.prompt_words)?;
     let count = args
@@ -268,7 +289,7 @@ pub fn run(mut args: Args) -> Result<()> {
         let written = write_charts(dir, &results, transfer.as_ref())?;
         let json = report_json(&args, &machine, &loads, &results, transfer.as_ref());
         let path = dir.join("bench.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+        std::fs::write(&path, serde_json::to_string(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("\nwrote {} and {}", written.join(", "), path.display());
     }
@@ -433,9 +454,9 @@ async fn measure_prompts(
         return Vec::new();
     };
     let key = args.api_key.as_deref();
-    if let Some(first) = sets.first() {
+    if !sets.is_empty() {
         // Untimed, as in measure(): lazy initialisation is not part of the first point.
-        let _ = one_request(&client, url, model_id, &first.prompts[0], 4, key, true).await;
+        let _ = one_request(&client, url, model_id, WARM_UP_PROMPT, 4, key, true).await;
     }
     let mut points = Vec::new();
     for set in sets {
@@ -445,6 +466,7 @@ async fn measure_prompts(
             server_tokens: None,
             ttft: Vec::new(),
             decode_tok_s: Vec::new(),
+            output_tokens: Vec::new(),
             failed: 0,
         };
         for prompt in &set.prompts {
@@ -452,6 +474,7 @@ async fn measure_prompts(
             match one_request(&client, url, model_id, prompt, max_tokens, key, true).await {
                 Ok(sample) => {
                     point.ttft.push(sample.ttft);
+                    point.output_tokens.push(sample.tokens);
                     if sample.tokens >= 2 && sample.end > sample.ttft {
                         point
                             .decode_tok_s
@@ -648,7 +671,7 @@ async fn measure(
         &client,
         url,
         model_id,
-        &prompts[0],
+        WARM_UP_PROMPT,
         8,
         args.api_key.as_deref(),
         false,
@@ -848,10 +871,10 @@ fn print_prompt_table(results: &[TargetResult], args: &Args) {
         args.prompt_requests, args.prompt_max_tokens
     );
     println!(
-        "| prompt tokens | server | TTFT p50 ms | prompt tok/s (tokens / TTFT) | TTFT vs llama-cpp | \
-         decode tok/s p50 | usage.prompt_tokens | failed |"
+        "| prompt tokens | server | TTFT p50 ms | prompt tok/s (tokens / TTFT) | llama-cpp TTFT / \
+         this | decode tok/s p50 | tokens out (mean) | usage.prompt_tokens | failed |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let lengths: Vec<usize> = results
         .iter()
         .flat_map(|r| r.prompts.iter().map(|p| p.tokens))
@@ -871,12 +894,23 @@ fn print_prompt_table(results: &[TargetResult], args: &Args) {
                 .and_then(|p| p.prompts.iter().find(|q| q.tokens == tokens))
                 .map(|q| median_ms(&q.ttft) / ttft)
                 .filter(|r| r.is_finite())
-                .map_or("-".to_string(), |r| format!("{r:.2}× faster"));
+                .map_or("-".to_string(), |r| format!("{r:.2}×"));
+            let figure = |value: f64, digits: usize| {
+                if value.is_finite() {
+                    format!("{value:.digits$}")
+                } else {
+                    "-".to_string()
+                }
+            };
+            let out =
+                point.output_tokens.iter().sum::<usize>() as f64 / point.output_tokens.len() as f64;
             println!(
-                "| {tokens} | {} | {ttft:.0} | {:.0} | {ratio} | {:.1} | {} | {} |",
+                "| {tokens} | {} | {} | {} | {ratio} | {} | {} | {} | {} |",
                 result.name,
-                tokens as f64 / (ttft / 1e3),
-                bench_curves::median(&mut point.decode_tok_s.clone()),
+                figure(ttft, 0),
+                figure(tokens as f64 / (ttft / 1e3), 0),
+                figure(bench_curves::median(&mut point.decode_tok_s.clone()), 1),
+                figure(out, 1),
                 point
                     .server_tokens
                     .map_or("-".to_string(), |n| n.to_string()),
@@ -1060,7 +1094,7 @@ fn write_charts(
                 y: Axis::new("time (ms, log scale)", Scale::Log),
                 series,
                 markers: Vec::new(),
-                legend: Legend::UpperLeft,
+                legend: Legend::LowerRight,
             },
         ));
         let flat = |gb_s: f64| {
@@ -1179,9 +1213,12 @@ fn report_json(
                     "ttft_ms": p.ttft.iter().map(|t| t * 1e3).collect::<Vec<_>>(),
                     "ttft_p50_ms": median_ms(&p.ttft),
                     "decode_tok_s_p50": bench_curves::median(&mut p.decode_tok_s.clone()),
+                    "output_tokens": p.output_tokens,
                     "failed": p.failed,
                 })).collect::<Vec<_>>(),
-                "pool": r.pool.iter().map(|s| json!([s.t, s.worker, s.used, s.total]))
+                "pool": thin_pool(&r.pool)
+                    .into_iter()
+                    .map(|s| json!([(s.t * 1e3).round() / 1e3, s.worker, s.used, s.total]))
                     .collect::<Vec<_>>(),
                 "markers": r.markers,
             })
@@ -1218,6 +1255,134 @@ fn report_json(
             })).collect::<Vec<_>>(),
         })),
     })
+}
+
+/// The pool samples a chart needs: per worker, the first and last, and those next to a change
+/// (the middle of a run of equal values draws nothing its ends do not).
+fn thin_pool(samples: &[PoolSample]) -> Vec<&PoolSample> {
+    let mut by_worker: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (index, sample) in samples.iter().enumerate() {
+        match by_worker.iter_mut().find(|(w, _)| *w == sample.worker) {
+            Some((_, indices)) => indices.push(index),
+            None => by_worker.push((&sample.worker, vec![index])),
+        }
+    }
+    let same = |a: usize, b: usize| {
+        samples[a].used == samples[b].used && samples[a].total == samples[b].total
+    };
+    let mut keep = vec![false; samples.len()];
+    for (_, indices) in &by_worker {
+        for (k, &index) in indices.iter().enumerate() {
+            keep[index] = match (k.checked_sub(1), indices.get(k + 1)) {
+                (Some(p), Some(&next)) => !(same(indices[p], index) && same(index, next)),
+                _ => true,
+            };
+        }
+    }
+    samples
+        .iter()
+        .zip(keep)
+        .filter_map(|(sample, keep)| keep.then_some(sample))
+        .collect()
+}
+
+/// The figures the charts need, back from `report_json`'s output (`--replot`). Concurrency
+/// levels keep only their median TTFT (all a chart shows).
+fn results_from_json(
+    json: &serde_json::Value,
+) -> Result<(Vec<TargetResult>, Option<TransferReport>)> {
+    let number = |value: &serde_json::Value, key: &str| -> Result<f64> {
+        value[key]
+            .as_f64()
+            .with_context(|| format!("missing number '{key}'"))
+    };
+    let list = |value: &serde_json::Value, key: &str| -> Vec<serde_json::Value> {
+        value[key].as_array().cloned().unwrap_or_default()
+    };
+    let mut results = Vec::new();
+    for target in list(json, "targets") {
+        let mut levels = Vec::new();
+        for level in list(&target, "concurrency") {
+            levels.push(LevelReport {
+                concurrency: number(&level, "concurrency")? as usize,
+                requests: number(&level, "requests")? as usize,
+                failed: number(&level, "failed")? as usize,
+                wall: number(&level, "wall_s")?,
+                tokens: number(&level, "output_tokens")? as usize,
+                // null when every request of the level failed (NaN is not JSON).
+                ttft: vec![level["ttft_p50_ms"].as_f64().unwrap_or(f64::NAN) / 1e3],
+                itl: Vec::new(),
+            });
+        }
+        let mut prompts = Vec::new();
+        for point in list(&target, "prompt_tokens") {
+            prompts.push(PromptPoint {
+                tokens: number(&point, "prompt_tokens")? as usize,
+                server_tokens: point["server_prompt_tokens"].as_u64().map(|n| n as usize),
+                ttft: list(&point, "ttft_ms")
+                    .iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .map(|ms| ms / 1e3)
+                    .collect(),
+                decode_tok_s: Vec::new(),
+                output_tokens: Vec::new(),
+                failed: number(&point, "failed")? as usize,
+            });
+        }
+        let pool = list(&target, "pool")
+            .iter()
+            .filter_map(|sample| {
+                Some(PoolSample {
+                    t: sample[0].as_f64()?,
+                    worker: sample[1].as_str()?.to_string(),
+                    used: sample[2].as_f64()?,
+                    total: sample[3].as_f64()?,
+                })
+            })
+            .collect();
+        let markers = list(&target, "markers")
+            .iter()
+            .filter_map(|m| Some((m[0].as_f64()?, m[1].as_str()?.to_string())))
+            .collect();
+        results.push(TargetResult {
+            name: target["name"]
+                .as_str()
+                .context("a target without a name")?
+                .into(),
+            levels,
+            prompts,
+            pool,
+            markers,
+        });
+    }
+    let transfer = match &json["transfer"] {
+        serde_json::Value::Null => None,
+        transfer => {
+            let layout = &transfer["layout"];
+            let mut points = Vec::new();
+            for point in list(transfer, "points") {
+                points.push(bench_curves::TransferPoint {
+                    tokens: number(&point, "tokens")? as usize,
+                    pages: number(&point, "pages")? as usize,
+                    bytes: number(&point, "bytes")? as usize,
+                    seconds: number(&point, "seconds")?,
+                    pack_seconds: number(&point, "pack_seconds")?,
+                });
+            }
+            Some(TransferReport {
+                layout: kv::KvLayout {
+                    layer_count: number(layout, "layers")? as usize,
+                    kv_head_count: number(layout, "kv_heads")? as usize,
+                    head_dim: number(layout, "head_dim")? as usize,
+                    page_size_tokens: number(layout, "page_size_tokens")? as usize,
+                },
+                points,
+                memcpy_gb_s: number(transfer, "memcpy_gb_s")?,
+                xxh3_gb_s: number(transfer, "xxh3_gb_s")?,
+            })
+        }
+    };
+    Ok((results, transfer))
 }
 
 /// Guarded vs unguarded, alternating, one concurrency level: per-pair differences and their
@@ -1309,7 +1474,123 @@ fn mean_and_ci95(values: &[f64]) -> (f64, f64) {
 
 #[cfg(test)]
 mod tests {
-    use super::mean_and_ci95;
+    use super::*;
+
+    #[test]
+    fn pool_thinning_keeps_every_step() {
+        let sample = |t: f64, worker: &str, used: f64| PoolSample {
+            t,
+            worker: worker.into(),
+            used,
+            total: 8.0,
+        };
+        let samples = [
+            sample(0.0, "a", 1.0),
+            sample(0.0, "b", 5.0),
+            sample(0.1, "a", 1.0),
+            sample(0.2, "a", 1.0),
+            sample(0.2, "b", 5.0),
+            sample(0.3, "a", 3.0),
+            sample(0.3, "b", 5.0),
+            sample(0.4, "a", 3.0),
+        ];
+        let kept: Vec<(f64, &str)> = thin_pool(&samples)
+            .iter()
+            .map(|s| (s.t, s.worker.as_str()))
+            .collect();
+        // a: 0.1 is inside a run (dropped), 0.2 is the run's end before the step (kept).
+        assert_eq!(
+            kept,
+            [
+                (0.0, "a"),
+                (0.0, "b"),
+                (0.2, "a"),
+                (0.3, "a"),
+                (0.3, "b"),
+                (0.4, "a")
+            ]
+        );
+    }
+
+    #[test]
+    fn a_report_replots_from_its_json() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let args = <Cli as clap::Parser>::parse_from(["bench"]).args;
+        let machine = Machine {
+            cores: 2,
+            cpu: "test CPU".into(),
+        };
+        let results = vec![TargetResult {
+            name: "serve".into(),
+            levels: vec![LevelReport {
+                concurrency: 4,
+                requests: 8,
+                failed: 0,
+                wall: 2.0,
+                tokens: 512,
+                ttft: vec![0.1, 0.3, 0.2],
+                itl: vec![0.01],
+            }],
+            prompts: vec![PromptPoint {
+                tokens: 128,
+                server_tokens: Some(128),
+                ttft: vec![0.25, 0.35],
+                decode_tok_s: vec![90.0],
+                output_tokens: vec![16, 16],
+                failed: 0,
+            }],
+            pool: vec![PoolSample {
+                t: 0.5,
+                worker: "decode-0".into(),
+                used: 12.0,
+                total: 512.0,
+            }],
+            markers: vec![(0.1, "c4".into())],
+        }];
+        let transfer = TransferReport {
+            layout: kv::KvLayout {
+                layer_count: 30,
+                kv_head_count: 3,
+                head_dim: 64,
+                page_size_tokens: 16,
+            },
+            points: vec![bench_curves::TransferPoint {
+                tokens: 128,
+                pages: 8,
+                bytes: 8 * 368_640,
+                seconds: 0.002,
+                pack_seconds: 0.001,
+            }],
+            memcpy_gb_s: 15.0,
+            xxh3_gb_s: 13.0,
+        };
+        let loads = [("start".to_string(), "0.5".to_string())];
+        let json = report_json(&args, &machine, &loads, &results, Some(&transfer));
+        let text = serde_json::to_string(&json).unwrap();
+        let (back, back_transfer) =
+            results_from_json(&serde_json::from_str(&text).unwrap()).unwrap();
+        assert_eq!(back.len(), 1);
+        let target = &back[0];
+        assert_eq!(target.name, "serve");
+        assert_eq!(target.levels[0].concurrency, 4);
+        assert_eq!(target.levels[0].tokens, 512);
+        assert!((median_ms(&target.levels[0].ttft) - 200.0).abs() < 1e-9);
+        assert_eq!(target.prompts[0].tokens, 128);
+        assert!((median_ms(&target.prompts[0].ttft) - 300.0).abs() < 1e-9);
+        assert_eq!(target.pool, results[0].pool);
+        assert_eq!(target.markers, results[0].markers);
+        let back_transfer = back_transfer.unwrap();
+        assert_eq!(back_transfer.layout, transfer.layout);
+        assert_eq!(back_transfer.points[0].bytes, transfer.points[0].bytes);
+        assert_eq!(back_transfer.memcpy_gb_s, 15.0);
+        assert!(
+            results_from_json(&serde_json::json!({"targets": [{"concurrency": [{}]}]})).is_err()
+        );
+    }
 
     #[test]
     fn confidence_interval_matches_a_worked_example() {

@@ -81,6 +81,7 @@ pub enum Legend {
     UpperLeft,
     MiddleLeft,
     MiddleRight,
+    LowerRight,
 }
 
 impl Legend {
@@ -89,6 +90,7 @@ impl Legend {
             Legend::UpperLeft => SeriesLabelPosition::UpperLeft,
             Legend::MiddleLeft => SeriesLabelPosition::MiddleLeft,
             Legend::MiddleRight => SeriesLabelPosition::MiddleRight,
+            Legend::LowerRight => SeriesLabelPosition::LowerRight,
         }
     }
 }
@@ -207,7 +209,7 @@ pub fn axis_layout(axis: &Axis, values: &[f64]) -> (std::ops::Range<f64>, Vec<f6
             let span = high - low;
             let range = (low - if low == 0.0 { 0.0 } else { pad * span })..(high + pad * span);
             let ticks = if axis.ticks_at_data {
-                data_ticks(&finite)
+                data_ticks(&finite, Scale::Linear)
             } else {
                 nice_ticks(range.start, range.end)
             };
@@ -220,7 +222,7 @@ pub fn axis_layout(axis: &Axis, values: &[f64]) -> (std::ops::Range<f64>, Vec<f6
             let pad = (high / low).log10() * 0.05 + 0.02;
             let range = (low.log10() - pad)..(high.log10() + pad);
             let ticks = if axis.ticks_at_data {
-                data_ticks(&finite)
+                data_ticks(&finite, Scale::Log)
             } else {
                 log_ticks(low, high)
             };
@@ -229,13 +231,26 @@ pub fn axis_layout(axis: &Axis, values: &[f64]) -> (std::ops::Range<f64>, Vec<f6
     }
 }
 
-/// The distinct data values, thinned to at most 12.
-fn data_ticks(values: &[f64]) -> Vec<f64> {
+/// The distinct data values, thinned to at most 12, none closer than 4% of the axis (in
+/// `scale`'s units) to the one before, so labels never overlap.
+fn data_ticks(values: &[f64], scale: Scale) -> Vec<f64> {
     let mut ticks = values.to_vec();
     ticks.sort_by(f64::total_cmp);
     ticks.dedup();
     let step = ticks.len().div_ceil(12).max(1);
-    ticks.into_iter().step_by(step).collect()
+    let ticks: Vec<f64> = ticks.into_iter().step_by(step).collect();
+    let (Some(&first), Some(&last)) = (ticks.first(), ticks.last()) else {
+        return ticks;
+    };
+    let min_gap = (to_axis(scale, last) - to_axis(scale, first)) * 0.04;
+    let mut kept: Vec<f64> = Vec::new();
+    for tick in ticks {
+        match kept.last() {
+            Some(&previous) if to_axis(scale, tick) - to_axis(scale, previous) < min_gap => {}
+            _ => kept.push(tick),
+        }
+    }
+    kept
 }
 
 /// Round ticks (1, 2 or 5 × 10^k apart) over [low, high], 4 to 10 of them.
@@ -330,7 +345,7 @@ pub fn draw(chart: &Chart, path: &Path, size: (u32, u32)) -> Result<()> {
         .y_label_area_size(72)
         .build_cartesian_2d(
             Ticked {
-                range: x_range,
+                range: x_range.clone(),
                 ticks: x_ticks,
             },
             Ticked {
@@ -351,8 +366,17 @@ pub fn draw(chart: &Chart, path: &Path, size: (u32, u32)) -> Result<()> {
         .draw()
         .map_err(|e| plot_error(&e))?;
 
+    // Labels closer than 7% of the width to the previous label are left out (lines stay).
+    let mut last_label = f64::NEG_INFINITY;
+    let min_gap = (x_range.end - x_range.start) * 0.07;
     for (x, label) in &chart.markers {
         let x = to_axis(x_scale, *x);
+        let label = if x - last_label >= min_gap {
+            last_label = x;
+            label.clone()
+        } else {
+            String::new()
+        };
         let line = [(x, y_range.start), (x, y_range.end)];
         context
             .draw_series(DashedLineSeries::new(
@@ -365,7 +389,7 @@ pub fn draw(chart: &Chart, path: &Path, size: (u32, u32)) -> Result<()> {
         let top = y_range.end - (y_range.end - y_range.start) * 0.03;
         context
             .draw_series(std::iter::once(Text::new(
-                label.clone(),
+                label,
                 (x, top),
                 ("sans-serif", 12)
                     .into_font()
@@ -505,6 +529,11 @@ mod tests {
         let (_, ticks) = axis_layout(&axis, &[1.0, 2.0, 4.0, 2.0, 32.0]);
         let back: Vec<String> = ticks.iter().map(|t| format_tick(10f64.powf(*t))).collect();
         assert_eq!(back, ["1", "2", "4", "32"]);
+        // 8175 beside 8192 on a log axis: one label, not two on top of each other.
+        assert_eq!(
+            data_ticks(&[128.0, 8175.0, 8192.0], Scale::Log),
+            [128.0, 8175.0]
+        );
         assert_eq!(format_tick(0.25), "0.25");
         assert_eq!(format_tick(0.5), "0.5");
         assert_eq!(format_tick(12.5), "12.5");
