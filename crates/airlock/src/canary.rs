@@ -1680,7 +1680,7 @@ impl Spawned {
         let model = ModelArgs {
             model: args.model_file.clone(),
             threads: args.threads,
-            scalar: false,
+            kernels: crate::model_path::KernelChoice::AUTO,
         };
         let model_path = model.resolve_model()?;
         let context = args.context_length.unwrap_or(FALLBACK_CONTEXT);

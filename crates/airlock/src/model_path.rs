@@ -17,9 +17,40 @@ pub struct ModelArgs {
     /// Compute threads [default: all cores]
     #[arg(long, env = "AIRLOCK_THREADS")]
     pub threads: Option<usize>,
-    /// Use the portable scalar kernels instead of AVX2 (for comparison and debugging)
-    #[arg(long, env = "AIRLOCK_SCALAR")]
-    pub scalar: bool,
+    /// Compute kernels: auto (the fastest this CPU has), avx512-vnni, avx2 or scalar (the
+    /// portable reference; for comparison and debugging). avx512-vnni and avx2 give identical
+    /// results
+    #[arg(long, env = "AIRLOCK_KERNELS", default_value = "auto", value_parser = parse_kernels)]
+    pub kernels: KernelChoice,
+}
+
+/// `--kernels`: a backend, or the fastest available.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelChoice(Option<kernels::Backend>);
+
+impl KernelChoice {
+    pub const AUTO: KernelChoice = KernelChoice(None);
+}
+
+fn parse_kernels(text: &str) -> Result<KernelChoice, String> {
+    if text == "auto" {
+        return Ok(KernelChoice(None));
+    }
+    let backend = kernels::Backend::from_name(text).ok_or_else(|| {
+        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2 or scalar")
+    })?;
+    if !kernels::Backend::available().contains(&backend) {
+        return Err(format!(
+            "this CPU cannot run the {} kernels; it has: {}",
+            backend.name(),
+            kernels::Backend::available()
+                .iter()
+                .map(|b| b.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    Ok(KernelChoice(Some(backend)))
 }
 
 impl ModelArgs {
@@ -36,7 +67,7 @@ impl ModelArgs {
     pub fn load_options(&self) -> model::LoadOptions {
         model::LoadOptions {
             threads: self.threads(),
-            backend: self.scalar.then_some(kernels::Backend::Scalar),
+            backend: self.kernels.0,
         }
     }
 }

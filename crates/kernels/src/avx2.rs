@@ -1,13 +1,13 @@
 //! AVX2 + FMA + F16C kernels. Each public function is safe to call on any CPU: it checks
-//! `Backend::detect` (cached by std) and falls back to the scalar kernel, so a wrong backend
+//! the CPU's features (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock};
-use crate::{scalar, Backend};
+use crate::scalar;
 use half::f16;
 
 fn cpu_ok() -> bool {
-    Backend::detect() == Backend::Avx2
+    crate::backend::has_avx2()
 }
 
 pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
@@ -44,7 +44,7 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
 
 /// The bounds the SIMD kernels rely on: one activation block per weight block, tokens within
 /// the activations, and an output of 8 rows × `stride`.
-fn check_job(blocks: usize, job: &GroupJob) {
+pub(crate) fn check_job(blocks: usize, job: &GroupJob) {
     assert_eq!(
         job.acts.cols() / crate::BLOCK,
         blocks,

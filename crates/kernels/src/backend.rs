@@ -5,36 +5,85 @@ pub enum Backend {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
+    /// AVX2 plus AVX-512 VNNI on 256-bit registers (AVX512VL): the quantized matmuls use
+    /// `vpdpbusd` and keep each row's sum in its own lane, so no reduction tree is needed; every
+    /// other kernel is the AVX2 one. Computes bit for bit what `Avx2` computes.
+    Avx512Vnni,
 }
 
 impl Backend {
     /// The fastest backend this CPU supports.
     pub fn detect() -> Backend {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-                && std::arch::is_x86_feature_detected!("f16c")
-            {
-                return Backend::Avx2;
-            }
+        if has_avx512_vnni() {
+            Backend::Avx512Vnni
+        } else if has_avx2() {
+            Backend::Avx2
+        } else {
+            Backend::Scalar
         }
-        Backend::Scalar
     }
 
     /// Every backend this CPU can run, for tests that compare them.
     pub fn available() -> Vec<Backend> {
         let mut backends = vec![Backend::Scalar];
-        if Backend::detect() == Backend::Avx2 {
+        if has_avx2() {
             backends.push(Backend::Avx2);
         }
+        if has_avx512_vnni() {
+            backends.push(Backend::Avx512Vnni);
+        }
         backends
+    }
+
+    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni`).
+    pub fn from_name(name: &str) -> Option<Backend> {
+        [Backend::Scalar, Backend::Avx2, Backend::Avx512Vnni]
+            .into_iter()
+            .find(|b| b.name() == name || b.short_name() == name)
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Backend::Scalar => "scalar",
             Backend::Avx2 => "avx2+fma+f16c",
+            Backend::Avx512Vnni => "avx512-vnni+avx2",
         }
+    }
+
+    fn short_name(self) -> &'static str {
+        match self {
+            Backend::Scalar => "scalar",
+            Backend::Avx2 => "avx2",
+            Backend::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// AVX2, FMA and F16C: what every SIMD kernel here needs (std caches the answer).
+pub(crate) fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `has_avx2` plus what the VNNI matmuls use: `vpdpbusd` on 256-bit registers.
+pub(crate) fn has_avx512_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }

@@ -14,6 +14,7 @@ mod matrix;
 mod ops;
 mod quant;
 mod scalar;
+mod vnni;
 mod workers;
 
 pub use backend::Backend;

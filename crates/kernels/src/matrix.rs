@@ -6,7 +6,7 @@
 //! reduction produces (`LANE_ROW`). Q8_0 group block: 8 rows of 32 signed bytes, scales in row
 //! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
 
-use crate::{avx2, scalar, Backend, Error, QuantActs, Result, Workers, BLOCK};
+use crate::{avx2, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
 
 /// Rows per group: one AVX2 register of f32 results.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -201,17 +201,22 @@ impl QuantMatrix {
             return;
         }
         // Each task writes whole rows for every token: compute transposed, then turn around.
-        let mut transposed = vec![0f32; out.len()];
-        self.matmul_transposed(backend, workers, acts, &mut transposed);
-        // Eight rows at a time, so each token's writes land in one cache line.
-        for (group, values) in transposed.chunks_exact(GROUP_ROWS * tokens).enumerate() {
-            for token in 0..tokens {
-                let dst = &mut out[token * self.rows + group * GROUP_ROWS..][..GROUP_ROWS];
-                for (r, d) in dst.iter_mut().enumerate() {
-                    *d = values[r * tokens + token];
+        // The scratch is kept per thread: a fresh allocation of this size each step costs
+        // page faults (megabytes for the output projection).
+        TRANSPOSED.with_borrow_mut(|transposed| {
+            transposed.clear();
+            transposed.resize(out.len(), 0.0);
+            self.matmul_transposed(backend, workers, acts, transposed);
+            // Eight rows at a time, so each token's writes land in one cache line.
+            for (group, values) in transposed.chunks_exact(GROUP_ROWS * tokens).enumerate() {
+                for token in 0..tokens {
+                    let dst = &mut out[token * self.rows + group * GROUP_ROWS..][..GROUP_ROWS];
+                    for (r, d) in dst.iter_mut().enumerate() {
+                        *d = values[r * tokens + token];
+                    }
                 }
             }
-        }
+        });
     }
 
     /// `out[r * tokens + t] = W[r] · acts[t]`.
@@ -252,6 +257,11 @@ impl QuantMatrix {
     }
 }
 
+thread_local! {
+    /// `QuantMatrix::matmul`'s transposed result, reused across calls on this thread.
+    static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Tokens per tile in a matmul: 64 tokens of a 1536-wide row are 120 KiB of activations.
 const TOKEN_TILE: usize = 64;
 
@@ -268,6 +278,7 @@ fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
     match backend {
         Backend::Scalar => scalar::q41_group(group, job),
         Backend::Avx2 => avx2::q41_group(group, job),
+        Backend::Avx512Vnni => vnni::q41_group(group, job),
     }
 }
 
@@ -275,6 +286,7 @@ fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
     match backend {
         Backend::Scalar => scalar::q80_group(group, job),
         Backend::Avx2 => avx2::q80_group(group, job),
+        Backend::Avx512Vnni => vnni::q80_group(group, job),
     }
 }
 

@@ -66,7 +66,7 @@ pub fn attention_scores_f16(
                 *score = scalar::dot_f16(q, key) * scale;
             }
         }
-        Backend::Avx2 => avx2::scores_f16(q, keys, scale, scores),
+        Backend::Avx2 | Backend::Avx512Vnni => avx2::scores_f16(q, keys, scale, scores),
     }
 }
 
@@ -83,7 +83,7 @@ pub fn attention_mix_f16(backend: Backend, weights: &[f32], values: &[f16], out:
                 scalar::axpy_f16(out, f16::from_f32(weight).to_f32(), value);
             }
         }
-        Backend::Avx2 => avx2::mix_f16(weights, values, out),
+        Backend::Avx2 | Backend::Avx512Vnni => avx2::mix_f16(weights, values, out),
     }
 }
 

@@ -120,6 +120,62 @@ fn q80_matmul_matches_dequantized_reference_on_every_backend() {
     check_matmul(WeightFormat::Q8_0, 16, 64, 70, 13);
 }
 
+/// The VNNI kernels must compute exactly what the AVX2 ones do (same integer sums, same float
+/// steps in the same order), for every token count the run splitting can produce and for the
+/// extreme bytes a hostile file may hold (Q8_0 weights of -128, nibbles of 15).
+#[test]
+fn vnni_matmuls_equal_avx2_bit_for_bit() {
+    let available = Backend::available();
+    if !available.contains(&Backend::Avx512Vnni) {
+        eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+        return;
+    }
+    let workers = Workers::new(2);
+    let mut rng = Rng(21);
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        for (rows, cols, tokens) in [
+            (8, 32, 1),
+            (16, 64, 3),
+            (24, 96, 7),
+            (8, 64, 13),
+            (64, 576, 21),
+            (16, 128, 70),
+        ] {
+            let mut bytes = match format {
+                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols).0,
+                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols).0,
+            };
+            // The first block of row 0 at the extremes: all nibbles 15 / every byte -128.
+            let first_block = &mut bytes[..format.block_bytes()];
+            match format {
+                WeightFormat::Q4_1 => first_block[4..].fill(0xFF),
+                WeightFormat::Q8_0 => first_block[2..].fill(0x80),
+            }
+            let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
+            let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+            // Token 0's first block quantizes to ±127 everywhere.
+            for (i, v) in x[..32].iter_mut().enumerate() {
+                *v = if i % 3 == 0 { -1.0 } else { 1.0 };
+            }
+            let mut acts = QuantActs::default();
+            quantize_acts(&x, tokens, cols, &mut acts);
+            let run = |backend| {
+                let mut out = vec![0f32; tokens * rows];
+                matrix.matmul(backend, &workers, &acts, &mut out);
+                out
+            };
+            let (avx2, vnni) = (run(Backend::Avx2), run(Backend::Avx512Vnni));
+            for (i, (a, v)) in avx2.iter().zip(&vnni).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    v.to_bits(),
+                    "{format:?} {rows}x{cols} x{tokens}: out[{i}] avx2 {a} vs vnni {v}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn dequantize_row_recovers_every_row() {
     let mut rng = Rng(7);
@@ -194,11 +250,38 @@ fn quantized_activations_round_trip_within_half_a_step() {
     for (row, chunk) in x.chunks(64).enumerate() {
         for (block, values) in acts.row(row).iter().zip(chunk.chunks(32)) {
             let sum: i32 = block.qs.iter().map(|&q| q as i32).sum();
+            assert_eq!(block.qsum, sum);
             assert!((block.s - block.d * sum as f32).abs() <= 1e-2 * block.s.abs().max(1e-3));
             for (&q, &v) in block.qs.iter().zip(values) {
                 assert!((q as f32 * block.d - v).abs() <= block.d * 0.51 + 1e-3);
             }
         }
+    }
+}
+
+#[test]
+fn simd_activation_quantization_equals_the_portable_one() {
+    let mut rng = Rng(22);
+    let mut x: Vec<f32> = (0..64 * 32).map(|_| rng.f32() * 4.0).collect();
+    // A zero block, a block of exact halves (ties round to even), one huge and one tiny value.
+    x[32..64].fill(0.0);
+    for (i, v) in x[64..96].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 0.5 };
+    }
+    x[100] = 3.0e38;
+    x[200] = -1.0e-30;
+    let mut acts = QuantActs::default();
+    quantize_acts(&x, 2, 1024, &mut acts);
+    let portable = crate::quant::quantize_acts_portable(&x, 1024);
+    let simd: Vec<&ActBlock> = (0..2).flat_map(|r| acts.row(r)).collect();
+    assert_eq!(simd.len(), portable.len());
+    for (i, (a, b)) in simd.iter().zip(&portable).enumerate() {
+        assert_eq!(a.qs, b.qs, "block {i} bytes");
+        assert_eq!(
+            (a.d.to_bits(), a.s.to_bits(), a.qsum),
+            (b.d.to_bits(), b.s.to_bits(), b.qsum),
+            "block {i} scales"
+        );
     }
 }
 

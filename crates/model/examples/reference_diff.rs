@@ -1,5 +1,5 @@
 //! Prints how far our first-step logits are from llama.cpp's on the reference prompts:
-//! `cargo run --release -p model --example reference_diff [-- scalar]`.
+//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni]`.
 
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{LoadOptions, Model, SeqStep};
@@ -7,9 +7,8 @@ use std::path::Path;
 
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let backend = std::env::args().nth(1).map(|a| match a.as_str() {
-        "scalar" => kernels::Backend::Scalar,
-        _ => kernels::Backend::Avx2,
+    let backend = std::env::args().nth(1).map(|name| {
+        kernels::Backend::from_name(&name).expect("a backend: scalar, avx2 or avx512-vnni")
     });
     let options = LoadOptions {
         threads: 2,
