@@ -14,6 +14,11 @@ eval()/argmax loop, so the Rust engine can be compared token by token.
 
 Needs: pip install llama-cpp-python==0.3.36 numpy   (not needed by CI/tests)
 Usage: python3 scripts/reference/make_reference.py [--model PATH] [--out DIR]
+
+tests/data/ holds a run on an AVX2 machine (logits too); tests/data/reference_avx512/
+holds reference.json of a run on an AVX-512 machine (--out /tmp/x, then copy the
+json): llama.cpp's own results differ between the two builds, and the tests use
+that spread as the yardstick.
 """
 
 from __future__ import annotations

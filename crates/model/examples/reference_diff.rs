@@ -1,5 +1,6 @@
 //! Prints how far our first-step logits are from llama.cpp's on the reference prompts:
-//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni]`.
+//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni]`;
+//! `AIRLOCK_REFERENCE_DIR=DIR` compares against another `make_reference.py --out DIR` run.
 
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{LoadOptions, Model, SeqStep};
@@ -20,10 +21,12 @@ fn main() {
         &mut |_| {},
     )
     .expect("model loads");
-    let reference: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(root.join("tests/data/reference.json")).expect("reference"),
-    )
-    .expect("json");
+    // AIRLOCK_REFERENCE_DIR: another run of make_reference.py (e.g. llama.cpp on this CPU).
+    let data = std::env::var_os("AIRLOCK_REFERENCE_DIR")
+        .map_or_else(|| root.join("tests/data"), std::path::PathBuf::from);
+    let reference: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(data.join("reference.json")).expect("reference"))
+            .expect("json");
     let layout = loaded.model.config().kv_layout(16);
     let mut pool = PagePool::new(PoolConfig {
         layout,
@@ -39,8 +42,8 @@ fn main() {
             .iter()
             .map(|v| v.as_u64().expect("id") as u32)
             .collect();
-        let bytes = std::fs::read(root.join(format!("tests/data/reference_logits/{name}.f32")))
-            .expect("logits");
+        let bytes =
+            std::fs::read(data.join(format!("reference_logits/{name}.f32"))).expect("logits");
         let theirs: Vec<f32> = bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
