@@ -281,20 +281,62 @@ pub enum DecodeError {
 impl Frame {
     /// The body of this frame (without the length prefix).
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::default();
+        let mut body = self.encode_prefixed();
+        body.drain(..4);
+        body
+    }
+
+    /// The frame as it goes on the wire: a 4-byte little-endian body length, then the body, in
+    /// one buffer sized up front (one allocation and one write for a page of KV).
+    pub fn encode_prefixed(&self) -> Vec<u8> {
+        let payload = match self {
+            Frame::Page { bytes, .. } => bytes.len(),
+            _ => 0,
+        };
+        let mut w = Writer(Vec::with_capacity(64 + payload));
+        w.u32(0);
         w.bytes(&MAGIC);
         w.u16(PROTOCOL_VERSION);
         w.u8(self.kind());
         self.encode_fields(&mut w);
+        let body_len = (w.0.len() - 4) as u32;
+        w.0[..4].copy_from_slice(&body_len.to_le_bytes());
         w.0
+    }
+
+    /// [`Frame::decode`] taking the body by value: a page's bytes are moved to the front of
+    /// the body's own allocation instead of being copied into a new one.
+    pub fn decode_owned(mut body: Vec<u8>) -> Result<Frame, DecodeError> {
+        let (mut frame, page) = Frame::decode_inner(&body, true)?;
+        if let (Frame::Page { bytes, .. }, Some(range)) = (&mut frame, page) {
+            let len = range.len();
+            body.copy_within(range, 0);
+            body.truncate(len);
+            *bytes = body;
+        }
+        Ok(frame)
     }
 
     /// Parses one frame body; never panics, whatever the bytes.
     pub fn decode(body: &[u8]) -> Result<Frame, DecodeError> {
+        Frame::decode_inner(body, false).map(|(frame, _)| frame)
+    }
+
+    /// Parses `body`; with `defer_page_copy`, a page frame comes back with empty `bytes` and
+    /// the range of `body` they are in, for the caller to move.
+    fn decode_inner(
+        body: &[u8],
+        defer_page_copy: bool,
+    ) -> Result<(Frame, Option<std::ops::Range<usize>>), DecodeError> {
         if body.len() > MAX_FRAME_BYTES {
             return Err(DecodeError::FrameTooLarge { len: body.len() });
         }
-        let mut r = Reader { body, offset: 0 };
+        let mut r = Reader {
+            body,
+            offset: 0,
+            defer_page_copy,
+            page_range: None,
+        };
         if r.take(2)? != MAGIC {
             return Err(DecodeError::BadMagic);
         }
@@ -309,7 +351,7 @@ impl Frame {
                 extra: body.len() - r.offset,
             });
         }
-        Ok(frame)
+        Ok((frame, r.page_range))
     }
 
     fn kind(&self) -> u8 {
@@ -514,7 +556,7 @@ impl Frame {
                 let tenant = TenantId(r.u64()?);
                 let index = r.u32()?;
                 let len = r.u32()? as usize;
-                let bytes = r.take(len)?.to_vec();
+                let bytes = r.page_bytes(len)?;
                 Frame::Page {
                     transfer,
                     request,
@@ -742,9 +784,23 @@ impl Writer {
 struct Reader<'a> {
     body: &'a [u8],
     offset: usize,
+    /// Leave a page's bytes in place and record where they are (`Frame::decode_owned`).
+    defer_page_copy: bool,
+    page_range: Option<std::ops::Range<usize>>,
 }
 
 impl<'a> Reader<'a> {
+    /// A page's `len` bytes: copied out, or (deferred) left where they are, their range noted.
+    fn page_bytes(&mut self, len: usize) -> Result<Vec<u8>, DecodeError> {
+        let start = self.offset;
+        let bytes = self.take(len)?;
+        if self.defer_page_copy {
+            self.page_range = Some(start..start + len);
+            return Ok(Vec::new());
+        }
+        Ok(bytes.to_vec())
+    }
+
     fn take(&mut self, len: usize) -> Result<&'a [u8], DecodeError> {
         let rest = self.body.len() - self.offset;
         if len > rest {

@@ -135,7 +135,19 @@ fn sample_frames() -> Vec<Frame> {
 #[test]
 fn every_frame_kind_round_trips() {
     for frame in sample_frames() {
-        assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+        let body = frame.encode();
+        assert_eq!(
+            frame.encode_prefixed()[4..],
+            body[..],
+            "prefixed = length + body"
+        );
+        assert_eq!(
+            frame.encode_prefixed()[..4],
+            (body.len() as u32).to_le_bytes(),
+            "the prefix is the body's length"
+        );
+        assert_eq!(Frame::decode_owned(body.clone()), Ok(frame.clone()));
+        assert_eq!(Frame::decode(&body), Ok(frame));
     }
 }
 
@@ -190,7 +202,7 @@ fn huge_counts_are_refused_before_allocation() {
 proptest! {
     #[test]
     fn decode_never_panics_on_random_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-        let _ = Frame::decode(&bytes);
+        prop_assert_eq!(Frame::decode_owned(bytes.clone()), Frame::decode(&bytes));
     }
 
     #[test]
@@ -204,6 +216,9 @@ proptest! {
             let at = at % body.len();
             body[at] = value;
         }
+        // Decoding in place (pages moved within the body) reads exactly what decoding by
+        // copy reads.
+        prop_assert_eq!(Frame::decode_owned(body.clone()), Frame::decode(&body));
         if let Ok(frame) = Frame::decode(&body) {
             // Whatever decodes re-encodes to the same bytes: no two readings of one frame.
             prop_assert_eq!(frame.encode(), body);

@@ -58,20 +58,26 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     if len > max_bytes {
         return Err(LinkError::FrameTooLarge { len });
     }
-    let mut body = vec![0u8; len];
-    reader.read_exact(&mut body).await?;
-    Ok(Some(Frame::decode(&body)?))
+    // Read into spare capacity: a page-sized body is not zeroed first only to be overwritten.
+    let mut body = Vec::with_capacity(len);
+    let read = (&mut *reader)
+        .take(len as u64)
+        .read_to_end(&mut body)
+        .await?;
+    if read < len {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok(Some(Frame::decode_owned(body)?))
 }
 
 /// Writes one frame (length prefix and body).
 pub async fn write_frame<W: AsyncWrite + Unpin>(writer: &mut W, frame: &Frame) -> io::Result<()> {
-    let body = frame.encode();
+    let wire = frame.encode_prefixed();
     assert!(
-        body.len() <= MAX_FRAME_BYTES,
+        wire.len() - 4 <= MAX_FRAME_BYTES,
         "we never build a frame our peer must refuse"
     );
-    writer.write_all(&(body.len() as u32).to_le_bytes()).await?;
-    writer.write_all(&body).await
+    writer.write_all(&wire).await
 }
 
 /// A running link: send frames with `tx`, receive with `rx`. `rx` yields `None` once the
