@@ -32,6 +32,8 @@ pub enum ApiError {
     BodyTooLarge { limit_bytes: usize },
     /// 415
     UnsupportedMediaType,
+    /// 431: the request's headers are over the size limit.
+    HeadersTooLarge { limit_bytes: usize },
     /// 429: the tenant is over one of its limits.
     RateLimited { message: String },
     /// 503: the server or a worker queue is full, or a wait for pages timed out.
@@ -70,6 +72,11 @@ impl ApiError {
             ApiError::UnsupportedMediaType => {
                 (415, "invalid_request_error", "unsupported_media_type")
             }
+            ApiError::HeadersTooLarge { .. } => (
+                431,
+                "invalid_request_error",
+                "request_header_fields_too_large",
+            ),
             ApiError::RateLimited { .. } => (429, "rate_limit_error", "rate_limit_exceeded"),
             ApiError::Overloaded { .. } => (503, "server_error", "overloaded"),
             ApiError::NoWorkers { .. } => (503, "server_error", "no_workers"),
@@ -118,6 +125,10 @@ impl ApiError {
             ApiError::UnsupportedMediaType => {
                 "send the body as JSON with 'Content-Type: application/json'".into()
             }
+            ApiError::HeadersTooLarge { limit_bytes } => format!(
+                "request headers are over the {limit_bytes}-byte limit; send fewer or shorter \
+                 headers"
+            ),
             ApiError::Cancelled => "the request was cancelled".into(),
             ApiError::Internal => "internal error; the request was not answered".into(),
         }

@@ -99,7 +99,31 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::NotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::middleware::from_fn(limit_header_bytes))
         .with_state(state)
+}
+
+/// Total bytes of header names and values a request may carry. hyper refuses more than 100
+/// headers or about 400 KiB of them (431, and 414 for a URI over 64 KiB); one header of tens
+/// of kilobytes would pass it, and no client of this API needs that.
+pub const HEADER_BYTES_MAX: usize = 16 << 10;
+
+async fn limit_header_bytes(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let bytes: usize = request
+        .headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if bytes > HEADER_BYTES_MAX {
+        return ApiError::HeadersTooLarge {
+            limit_bytes: HEADER_BYTES_MAX,
+        }
+        .into_response();
+    }
+    next.run(request).await
 }
 
 async fn chat(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {

@@ -186,6 +186,48 @@ fn a_huge_body_gets_413_and_the_server_keeps_serving() {
     )]);
 }
 
+/// TEST-MATRIX A08: oversized headers get 431 (ours with an OpenAI body for one large header;
+/// hyper's for more than 100), an oversized URI 414, and the server keeps serving.
+#[test]
+fn oversized_headers_and_uris_get_431_and_414() {
+    use std::io::{Read, Write};
+    let url = &server().url;
+    let address = url.trim_start_matches("http://").to_string();
+    let status_of = |request: Vec<u8>| -> (u16, String) {
+        let mut stream = std::net::TcpStream::connect(&address).expect("connects");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .expect("timeout set");
+        stream.write_all(&request).expect("sent");
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer).to_string();
+        let status = text
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("an HTTP status line in {text:?}"));
+        (status, text)
+    };
+    let head = |extra: &str| {
+        format!("GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{extra}\r\n").into_bytes()
+    };
+    let (status, text) = status_of(head(&format!("X-Big: {}\r\n", "a".repeat(64 << 10))));
+    assert_eq!(status, 431, "{text}");
+    assert!(text.contains("request_header_fields_too_large"), "{text}");
+    let many: String = (0..150).map(|i| format!("X-{i}: y\r\n")).collect();
+    assert_eq!(status_of(head(&many)).0, 431);
+    let uri = format!(
+        "GET /health?{} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        "a".repeat(64 << 10)
+    );
+    assert_eq!(status_of(uri.into_bytes()).0, 414);
+    // Just under the limit is served.
+    let (status, text) = status_of(head(&format!("X-Big: {}\r\n", "a".repeat(8 << 10))));
+    assert_eq!(status, 200, "{text}");
+    expect_errors(Vec::new());
+}
+
 #[test]
 fn chat_requests_are_validated_too() {
     let url = &server().url;

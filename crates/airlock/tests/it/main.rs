@@ -5,6 +5,7 @@ mod api;
 mod canary;
 mod cli;
 mod cluster;
+mod fuzz;
 mod harness;
 mod matrix;
 mod processes;
