@@ -10,7 +10,7 @@
 //! They run in plain `cargo test -p kv` (loom's `model`, `Mutex`, `Arc` and `thread` need no cfg
 //! flag), exploring every interleaving with up to three preemptions. The conventional loom
 //! invocation runs the same tests; `LOOM_MAX_PREEMPTIONS` raises the bound:
-//! `LOOM_MAX_PREEMPTIONS=6 RUSTFLAGS="--cfg loom" cargo test -p kv --test loom --release`.
+//! `LOOM_MAX_PREEMPTIONS=5 RUSTFLAGS="--cfg loom" cargo test -p kv --test loom --release`.
 
 use half::f16;
 use kv::{Error, KvLayout, Owner, PagePool, PageState, PageTable, PoolConfig, PoolSize};

@@ -20,6 +20,18 @@ pub enum Mutant {
     NoLengthCheck,
     /// Prefill frees its pages as soon as it has sent them, not on decode's answer.
     NoDeferredRelease,
+    /// The router answers every time an end reaches it, not only the first (the guard of
+    /// `Engine::report` and the router's `Run`: one end per request).
+    NoEndOnce,
+    /// The router sends its 200 headers when decode reserves pages, before the transfer is
+    /// verified (the code waits for decode's `Started`, sent after `Sealed`).
+    HeadersBeforeSeal,
+    /// A client's disconnect aborts only prefill: decode keeps its reservation (the router's
+    /// `Abort` to decode, I7).
+    NoDecodeAbort,
+    /// A transfer that fails verification drops its table without releasing the pages
+    /// (`Engine::end` → `release` on every way out of a request, I9).
+    LeakOnReject,
     /// Neither the router nor the engine refuses a request larger than the pool.
     NoAdmission,
     /// One-sided transport: prefill answers decode's abort at once, while writes it posted
@@ -61,6 +73,9 @@ pub struct Faults {
     /// The incident's prefill bug: send one page and a `Done` for one page, checksum and all,
     /// for a request that needs more.
     pub placeholders: u8,
+    /// An engine bug that keeps a released table and runs a decode step with it: only the
+    /// read-time owner/generation check (I1) stands between it and the pages' next owner.
+    pub stale_reads: u8,
 }
 
 impl Faults {
@@ -73,6 +88,7 @@ impl Faults {
         retries: 0,
         crashes: 0,
         placeholders: 0,
+        stale_reads: 0,
     };
 }
 
@@ -224,8 +240,9 @@ pub struct Ghost {
     pub committed_after_end: bool,
     pub wrote_foreign: bool,
     pub freed_under_writer: bool,
-    pub released_early: bool,
-    pub generation_reused: bool,
+    /// Prefill freed its source pages while a write it posted from them could still be read
+    /// by the transport.
+    pub source_freed_under_write: bool,
     pub wrong_answer: bool,
     /// An `.expect()` of the engine would have fired (a reservation's own pages failed to
     /// verify, release, or change state).
@@ -241,6 +258,7 @@ pub mod event {
     pub const CRASH_MID_TRANSFER: u16 = 1 << 3;
     pub const LANDED_IN_QUARANTINE: u16 = 1 << 4;
     pub const QUARANTINE_FREED_FOR_WAITER: u16 = 1 << 5;
+    pub const STALE_READ_REFUSED: u16 = 1 << 6;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -269,6 +287,9 @@ pub enum Action {
     /// One-sided: prefill's writes quiesced after decode's `WriteAbort`; it answers.
     AckAbort(u8),
     DecodeStep(u8),
+    /// A decode step over the table of the request's released attempt (the `stale_reads`
+    /// fault).
+    StaleStep(u8),
     Timeout(u8),
     Disconnect(u8),
     Retry(u8),
@@ -366,7 +387,7 @@ impl TransferSpec {
     /// The router answers the client, once.
     fn end(&self, state: &mut State, request: u8, answer: Answer) {
         let entry = &mut state.requests[request as usize];
-        if entry.router == RouterPhase::Ended {
+        if entry.router == RouterPhase::Ended && !self.has(Mutant::NoEndOnce) {
             return;
         }
         entry.router = RouterPhase::Ended;
@@ -414,7 +435,11 @@ impl TransferSpec {
             DecodePhase::Idle,
         );
         if let Some(table) = decode.table() {
-            self.release(state, request, table);
+            let rejected =
+                matches!(decode, DecodePhase::Receiving { .. }) && answer == Answer::Failed;
+            if !(rejected && self.has(Mutant::LeakOnReject)) {
+                self.release(state, request, table);
+            }
         }
         self.end(state, request, answer);
     }
@@ -445,13 +470,15 @@ impl TransferSpec {
         self.end(state, request, answer);
     }
 
-    /// Prefill frees its source pages.
-    fn prefill_release(state: &mut State, request: u8, answered: bool) {
+    /// Prefill frees its source pages. A posted one-sided write reads them until it lands, so
+    /// freeing them while one is in flight would send whatever prefill puts there next (I5).
+    fn prefill_release(state: &mut State, request: u8) {
         let entry = &mut state.requests[request as usize];
         if entry.prefill != PrefillPhase::Idle {
             entry.prefill = PrefillPhase::Idle;
-            if !answered {
-                state.ghost.released_early = true;
+            let attempt = entry.attempt;
+            if TransferSpec::writes_pending(state, request, attempt) {
+                state.ghost.source_freed_under_write = true;
             }
         }
     }
@@ -472,9 +499,6 @@ impl TransferSpec {
             // The action is enabled only when the pages are free.
             unreachable!("Reserve needs free pages");
         };
-        if !bump {
-            state.ghost.generation_reused = true;
-        }
         self.set_state(state, request, &table, PageState::Receiving);
         let attempt = state.requests[request as usize].attempt;
         let inbound = Inbound::new(
@@ -520,9 +544,13 @@ impl TransferSpec {
         }
         let entry = &mut state.requests[request as usize];
         entry.decode = DecodePhase::Receiving { table, inbound };
-        entry.router = RouterPhase::WaitingStart;
+        entry.router = if self.has(Mutant::HeadersBeforeSeal) {
+            RouterPhase::Streaming
+        } else {
+            RouterPhase::WaitingStart
+        };
         if self.has(Mutant::NoDeferredRelease) {
-            TransferSpec::prefill_release(state, request, false);
+            TransferSpec::prefill_release(state, request);
         }
     }
 
@@ -554,7 +582,7 @@ impl TransferSpec {
             | Msg::AbortAck { request, attempt } => {
                 // `Engine::sent`: the receiver answered; prefill frees its pages.
                 if state.requests[request as usize].attempt == attempt {
-                    TransferSpec::prefill_release(state, request, true);
+                    TransferSpec::prefill_release(state, request);
                 }
             }
             Msg::WriteAbort { request, attempt } => {
@@ -563,7 +591,7 @@ impl TransferSpec {
                 if entry.attempt == attempt && writing {
                     if self.has(Mutant::AbortAckBeforeQuiescence) {
                         state.net.push(Msg::WriteAbortAck { request, attempt });
-                        TransferSpec::prefill_release(state, request, true);
+                        TransferSpec::prefill_release(state, request);
                     } else {
                         entry.prefill = PrefillPhase::Aborting;
                     }
@@ -571,7 +599,7 @@ impl TransferSpec {
                     // `Done` went out only after the writes completed, or nothing was posted:
                     // nothing of this transfer can land any more.
                     if entry.attempt == attempt {
-                        TransferSpec::prefill_release(state, request, true);
+                        TransferSpec::prefill_release(state, request);
                     }
                     state.net.push(Msg::WriteAbortAck { request, attempt });
                 }
@@ -747,7 +775,7 @@ impl TransferSpec {
                 if !whole {
                     state.ghost.bad_commit = true;
                 }
-                if state.requests[request as usize].router != RouterPhase::WaitingStart {
+                if state.requests[request as usize].router == RouterPhase::Ended {
                     state.ghost.committed_after_end = true;
                 }
                 self.set_state(state, request, &table, PageState::Sealed);
@@ -808,6 +836,34 @@ impl TransferSpec {
         self.end(state, request, answer);
     }
 
+    /// The `stale_reads` fault: a decode step over the table the request's last attempt
+    /// released. The owner/generation check must refuse it, whoever holds the pages now.
+    fn stale_step(&self, state: &mut State, request: u8) {
+        state.faults.stale_reads -= 1;
+        let Some(stale) = state.requests[request as usize].stale.clone() else {
+            unreachable!("StaleStep is enabled only with a released table");
+        };
+        let verified = state.pool.verify(
+            &[(request, &stale.table)],
+            Access::Bytes,
+            self.has(Mutant::NoOwnerCheck),
+        );
+        if verified.is_err() {
+            state.events |= event::STALE_READ_REFUSED;
+            return;
+        }
+        for &(page, _) in &stale.table {
+            match state.content[page as usize] {
+                Content::Data {
+                    request: r,
+                    attempt,
+                } if r == request && attempt == stale.attempt => {}
+                Content::Data { .. } => state.ghost.read_foreign = true,
+                Content::Empty | Content::Junk => state.ghost.read_corrupt = true,
+            }
+        }
+    }
+
     /// Nothing in flight and nothing held: the state every run must come back to.
     fn quiescent(state: &State) -> bool {
         state.net.is_empty()
@@ -822,7 +878,7 @@ impl TransferSpec {
     /// No action is enabled: where a bounded run ends, and where liveness is judged.
     fn terminal(&self, state: &State) -> bool {
         // Cheap exits first: nearly every state has something in flight.
-        if !state.net.is_empty() || !state.writes.is_empty() || state.faults.crashes > 0 {
+        if !state.net.is_empty() || !state.writes.is_empty() {
             return false;
         }
         let mut actions = Vec::new();
@@ -860,20 +916,6 @@ impl TransferSpec {
             })
         });
         pages_ok && tables_ok
-    }
-
-    /// S7: a request that can never fit leaves no trace past the router.
-    fn rejected_untouched(&self, state: &State) -> bool {
-        (0..state.requests.len() as u8)
-            .filter(|&r| self.oversize(r))
-            .all(|r| {
-                let entry = &state.requests[r as usize];
-                entry.decode == DecodePhase::Idle
-                    && entry.prefill == PrefillPhase::Idle
-                    && state.pool.headers().iter().all(|h| h.owner != Some(r))
-                    && state.writes.iter().all(|w| w.request != r)
-                    && state.net.iter().all(|m| msg_request(m) != r)
-            })
     }
 }
 
@@ -935,6 +977,9 @@ impl Model for TransferSpec {
                 }
                 _ => {}
             }
+            if state.faults.stale_reads > 0 && entry.stale.is_some() {
+                actions.push(Action::StaleStep(r));
+            }
             match entry.decode {
                 DecodePhase::Decoding { .. } => actions.push(Action::DecodeStep(r)),
                 DecodePhase::Receiving { .. } => actions.push(Action::Timeout(r)),
@@ -980,7 +1025,9 @@ impl Model for TransferSpec {
         if state.faults.link_resets > 0 && !(state.net.is_empty() && state.writes.is_empty()) {
             actions.push(Action::LinkReset);
         }
-        if state.faults.crashes > 0 {
+        // A crash matters only while something is under way; at rest it would only reset the
+        // pool, and could hide a leak from the terminal-state checks.
+        if state.faults.crashes > 0 && !TransferSpec::quiescent(state) {
             actions.push(Action::CrashPrefill);
             actions.push(Action::CrashDecode);
         }
@@ -1031,9 +1078,10 @@ impl Model for TransferSpec {
                     request: r,
                     attempt,
                 });
-                TransferSpec::prefill_release(&mut state, r, true);
+                TransferSpec::prefill_release(&mut state, r);
             }
             Action::DecodeStep(r) => self.decode_step(&mut state, r),
+            Action::StaleStep(r) => self.stale_step(&mut state, r),
             // Decode gives up on a transfer (the engine's `transfer_timeout`).
             Action::Timeout(r) => self.abort_decode(&mut state, r, Answer::Failed),
             Action::Disconnect(r) => {
@@ -1048,7 +1096,7 @@ impl Model for TransferSpec {
                     let entry = &state.requests[r as usize];
                     let attempt = entry.attempt;
                     let sending = entry.prefill != PrefillPhase::Idle;
-                    if entry.decode != DecodePhase::Idle {
+                    if entry.decode != DecodePhase::Idle && !self.has(Mutant::NoDecodeAbort) {
                         self.fail_decode(&mut state, r, Answer::Gone);
                     }
                     if sending {
@@ -1093,7 +1141,7 @@ impl Model for TransferSpec {
                 state.net.clear();
                 state.writes.clear();
                 for r in 0..state.requests.len() as u8 {
-                    TransferSpec::prefill_release(&mut state, r, true);
+                    TransferSpec::prefill_release(&mut state, r);
                     if matches!(
                         state.requests[r as usize].decode,
                         DecodePhase::Receiving { .. } | DecodePhase::Quarantined { .. }
@@ -1147,14 +1195,17 @@ impl Model for TransferSpec {
         state.net.sort();
         state.writes.sort();
         // A released table matters only while a page frame of that attempt is in flight (the
-        // stale path); forgetting it afterwards merges states that cannot behave differently.
+        // stale path) or a stale read may still happen; forgetting it afterwards merges states
+        // that cannot behave differently.
+        let stale_reads = state.faults.stale_reads > 0;
         for (r, entry) in state.requests.iter_mut().enumerate() {
-            let live = entry.stale.as_ref().is_some_and(|stale| {
-                state.net.iter().any(|m| {
-                    matches!(*m, Msg::Page { request, attempt, .. }
+            let live = stale_reads
+                || entry.stale.as_ref().is_some_and(|stale| {
+                    state.net.iter().any(|m| {
+                        matches!(*m, Msg::Page { request, attempt, .. }
                         if request as usize == r && attempt == stale.attempt)
-                })
-            });
+                    })
+                });
             if !live {
                 entry.stale = None;
             }
@@ -1189,12 +1240,8 @@ impl Model for TransferSpec {
                 |_, s: &State| !s.ghost.freed_under_writer,
             ),
             Property::always(
-                "I5 prefill frees pages only on decode's answer",
-                |_, s: &State| !s.ghost.released_early,
-            ),
-            Property::always(
-                "S5 every allocation bumps the page's generation",
-                |_, s: &State| !s.ghost.generation_reused,
+                "I5 prefill frees its source pages only once no write from them is in flight",
+                |_, s: &State| !s.ghost.source_freed_under_write,
             ),
             Property::always(
                 "S6 200 headers only after a verified commit",
@@ -1204,10 +1251,6 @@ impl Model for TransferSpec {
                             || matches!(r.decode, DecodePhase::Decoding { .. })
                     })
                 },
-            ),
-            Property::always(
-                "S7/I3 a request that can never fit never holds a page or sends a frame",
-                |m: &TransferSpec, s: &State| m.rejected_untouched(s),
             ),
             Property::always(
                 "S7 an aborted transfer is never committed",
@@ -1334,6 +1377,12 @@ impl Model for TransferSpec {
             properties.push(Property::sometimes(
                 "R5 a corruption is caught by the checksum",
                 |_, s: &State| s.events & event::CORRUPTION_CAUGHT != 0,
+            ));
+        }
+        if self.faults.stale_reads > 0 {
+            properties.push(Property::sometimes(
+                "a stale read is refused by the page check",
+                |_, s: &State| s.events & event::STALE_READ_REFUSED != 0,
             ));
         }
         if self.faults.crashes > 0 {
