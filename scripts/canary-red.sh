@@ -5,13 +5,14 @@
 #
 #   scripts/canary-red.sh            # guards off: over-pool prompts are answered 200 from
 #                                    # stale KV (the guarded run answers them 400)
+#   scripts/canary-red.sh verified   # admission off, transfer verification on: long prompts
+#                                    # get 503 kv_transfer_failed
 #   scripts/canary-red.sh guarded    # the same bug with the guards on: long prompts get 400
 #
-# What to read in the report: the `long` row. Guarded, every long prompt gets 400 (admission);
-# unguarded, every one gets 200, decoded from pages that held other tenants' prompts. Whether
-# the marker scan also fires depends on the model repeating another tenant's 8-character code
-# from misplaced KV; SmolLM2-135M did not in our runs (SECURITY.md), which is why the exact red
-# run is the oracle-model one in `cargo test`.
+# What to read in the report: the `long` row and the leaks. Guarded, every long prompt gets 400
+# (admission) and the run is clean; unguarded, every one gets 200, decoded from pages that held
+# other tenants' prompts, and the model repeats their markers: the report names each leak with
+# both request ids and the canary exits 1.
 #
 # Builds `airlock` with the test-only `fault-injection` feature into target/fault-injection
 # (never the default build), then starts decode, prefill and router as three processes on
@@ -28,11 +29,18 @@ case "$MODE" in
         PREFILL_FAULTS="incident;no-admission"
         DECODE_FAULTS="no-transfer-verify"
         ;;
-    guarded)
-        PREFILL_FAULTS="incident"
+    verified)
+        # Admission off as well: decode's transfer verification (I4) is what stops it.
+        PREFILL_FAULTS="incident;no-admission"
         DECODE_FAULTS=""
         ;;
-    *) echo "usage: $0 [unguarded|guarded]" >&2; exit 2 ;;
+    guarded)
+        # The incident's configuration (prefill's pool under the context, the start-up check
+        # that would refuse it off) and its bug, with admission and verification on.
+        PREFILL_FAULTS="incident;no-preflight"
+        DECODE_FAULTS=""
+        ;;
+    *) echo "usage: $0 [unguarded|verified|guarded]" >&2; exit 2 ;;
 esac
 
 cargo build --release -p airlock --features fault-injection --target-dir target/fault-injection
@@ -76,8 +84,15 @@ start router "" router --port 38500 --prefill 127.0.0.1:38502 --decode 127.0.0.1
 
 IFS=,
 set +e
+# The mix that makes stale pages worth reading: "short" prompts of 100-150 words (about 300
+# tokens, dense with markers) fit the prefill pool and are transferred whole, so decode's pages
+# fill with tenants' prompts; "long" ones, sized for a 1,000-token context, are 600-700 tokens:
+# past prefill's 512, so the planted bug swaps them for the placeholder. Freed pages are reused
+# last-freed first and in order, so such a request's table starts with the pages of the prompt
+# that just finished, usually another tenant's, at the positions it had.
 "$AIRLOCK" canary --url http://127.0.0.1:38500 --keys "${keys[*]}" --requests "$REQUESTS" \
-    --concurrency "$CONCURRENCY" --max-tokens 48 --long-fraction 0.8 --twin-fraction 1 --seed 2026
+    --concurrency "$CONCURRENCY" --context-length 1000 --prompt-words 100..150 --max-tokens 48 \
+    --long-fraction 0.4 --oversized-fraction 0.05 --seed "${SEED:-2026}"
 status=$?
 unset IFS
 echo "canary exit status: $status ($MODE)"

@@ -336,7 +336,7 @@ fn load_worker(
         .with_context(|| format!("loading {}", file.path.display()))?;
     let model = loaded.model;
     let faults = worker::FaultPlan::from_env(role)?;
-    let preflight = faults.admission_checked();
+    let preflight = faults.preflight_checked();
     let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
     let layout = model.config().kv_layout(args.page_size as usize);
     let pool = PagePool::new(PoolConfig {

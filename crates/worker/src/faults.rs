@@ -26,6 +26,7 @@
 //! | `recycle-early` | decode seal | a request's pages are freed while it still decodes |
 //! | `crash-on-page` | decode receive | the process aborts when a transfer's second page lands |
 //! | `no-admission` | guard off | the worker skips its pool-size admission check and advertises its context length as its capacity |
+//! | `no-preflight` | guard off | only the start-up check (I8) is skipped: the worker runs with a pool smaller than its context and advertises its real capacity, so admission must refuse what it cannot hold |
 //! | `no-transfer-verify` | guard off | decode seals a transfer without checking counts, pages or checksum (I4) |
 //! | `no-owner-check` | guard off | the pool skips the owner/generation compare on reads (I1) |
 
@@ -65,6 +66,11 @@ mod imp_off {
         /// Whether the worker checks that requests (and, at start-up, one context) fit its pool.
         #[inline(always)]
         pub fn admission_checked(&self) -> bool {
+            true
+        }
+        /// Whether the worker refuses to start when its pool cannot hold one context (I8).
+        #[inline(always)]
+        pub fn preflight_checked(&self) -> bool {
             true
         }
         #[inline(always)]
@@ -168,6 +174,10 @@ mod imp {
         RecycleEarly,
         CrashOnPage,
         NoAdmission,
+        /// Only the start-up check off: the worker runs with a pool smaller than its context,
+        /// as the incident's node did, and advertises its real capacity, so admission (I3)
+        /// is what must refuse a request the pool cannot hold.
+        NoPreflight,
         NoTransferVerify,
         NoOwnerCheck,
     }
@@ -308,6 +318,11 @@ mod imp {
             !self.has(Fault::NoAdmission)
         }
 
+        /// Whether the worker refuses to start when its pool cannot hold one context (I8).
+        pub fn preflight_checked(&self) -> bool {
+            self.admission_checked() && !self.has(Fault::NoPreflight)
+        }
+
         pub(crate) fn transfer_verified(&self) -> bool {
             !self.has(Fault::NoTransferVerify)
         }
@@ -430,6 +445,7 @@ mod imp {
             "recycle-early" => Fault::RecycleEarly,
             "crash-on-page" => Fault::CrashOnPage,
             "no-admission" => Fault::NoAdmission,
+            "no-preflight" => Fault::NoPreflight,
             "no-transfer-verify" => Fault::NoTransferVerify,
             "no-owner-check" => Fault::NoOwnerCheck,
             other => {
