@@ -127,6 +127,26 @@ PROMPTS = [
 ]
 LONG_RANGE = (1000, 1400)
 
+# A second set, fixed before any engine was compared against it (tests/data/reference_more/,
+# made with --set more on an AVX-512 machine): more plain and chat prompts, so exact 64-token
+# agreement is judged over more than the six prompts above, all of them reported.
+MORE_PROMPTS = [
+    {"name": "more_water_cycle", "mode": "plain",
+     "prompt": "The water cycle has four main stages:"},
+    {"name": "more_reverse_list", "mode": "plain",
+     "prompt": "# Python: reverse a list\ndef reverse_list(items):\n"},
+    {"name": "more_village_story", "mode": "plain",
+     "prompt": "Once upon a time, in a small village by the sea,"},
+    {"name": "chat_photosynthesis", "mode": "chat",
+     "messages": [{"role": "user", "content": "Explain photosynthesis in two sentences."}]},
+    {"name": "chat_haiku", "mode": "chat",
+     "messages": [{"role": "user", "content": "Write a haiku about autumn."}]},
+    {"name": "chat_translate", "mode": "chat",
+     "messages": [{"role": "system", "content": "You translate English to French."},
+                  {"role": "user", "content": "Good morning, how are you?"}]},
+]
+SETS = {"core": PROMPTS, "more": MORE_PROMPTS}
+
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -178,6 +198,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--set", choices=sorted(SETS), default="core",
+                    help="which prompts: the six core ones, or the second set")
     args = ap.parse_args()
 
     import llama_cpp  # imported late so --help works without it
@@ -213,7 +235,7 @@ def main() -> int:
     logits_dir.mkdir(parents=True, exist_ok=True)
 
     cases = []
-    for p in PROMPTS:
+    for p in SETS[args.set]:
         name = p["name"]
         if p["mode"] == "chat":
             text = render_chat(p["messages"])

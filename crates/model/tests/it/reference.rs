@@ -2,7 +2,8 @@
 //! `tests/data/reference.json` and `tests/data/reference_logits/<name>.f32` at the workspace
 //! root (made by scripts/reference/make_reference.py on an AVX2 machine), and the greedy tokens
 //! of a second llama.cpp build (same version, compiled for AVX-512) in
-//! `tests/data/reference_avx512/`.
+//! `tests/data/reference_avx512/`; and a second set of six prompts (`tests/data/reference_more/`,
+//! `make_reference.py --set more`, AVX-512 build, tokens only).
 
 use crate::common::{self, max_abs_diff, top_k};
 use gguf::ChatMessage;
@@ -24,16 +25,23 @@ struct Case {
     greedy_tokens: Vec<u32>,
     /// Reference logit gap between the best and second-best token at each greedy step.
     margins: Vec<f32>,
+    /// Empty for a set made without logits files (`reference_more`).
     first_logits: Vec<f32>,
 }
 
 fn cases() -> &'static [Case] {
     static CASES: OnceLock<Vec<Case>> = OnceLock::new();
-    CASES.get_or_init(load_cases)
+    CASES.get_or_init(|| load_cases("tests/data", true))
 }
 
-fn load_cases() -> Vec<Case> {
-    let dir = common::workspace_root().join("tests/data");
+/// The second set: other prompts, greedy tokens and margins, no logits files.
+fn more_cases() -> &'static [Case] {
+    static CASES: OnceLock<Vec<Case>> = OnceLock::new();
+    CASES.get_or_init(|| load_cases("tests/data/reference_more", false))
+}
+
+fn load_cases(folder: &str, with_logits: bool) -> Vec<Case> {
+    let dir = common::workspace_root().join(folder);
     let path = dir.join("reference.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
@@ -66,18 +74,11 @@ fn load_cases() -> Vec<Case> {
         .iter()
         .map(|c| {
             let name = c["name"].as_str().expect("name").to_string();
-            let logits_path = dir.join(c["first_logits_file"].as_str().expect("logits file"));
-            let bytes = std::fs::read(&logits_path)
-                .unwrap_or_else(|e| panic!("cannot read {}: {e}", logits_path.display()));
-            assert_eq!(
-                bytes.len(),
-                4 * config.vocab_size,
-                "{name}: logits file holds n_vocab f32"
-            );
-            let first_logits = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            let first_logits = if with_logits {
+                read_logits(&dir, c, &name, config.vocab_size)
+            } else {
+                Vec::new()
+            };
             let messages = match c.get("messages").and_then(Value::as_array) {
                 Some(messages) => messages
                     .iter()
@@ -120,14 +121,33 @@ fn load_cases() -> Vec<Case> {
             case
         })
         .collect();
-    assert_eq!(cases.len(), 6, "reference.json holds the 6 prompts");
+    assert_eq!(cases.len(), 6, "{folder}/reference.json holds 6 prompts");
     cases
+}
+
+fn read_logits(dir: &std::path::Path, case: &Value, name: &str, vocab_size: usize) -> Vec<f32> {
+    let path = dir.join(case["first_logits_file"].as_str().expect("logits file"));
+    let bytes =
+        std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    assert_eq!(
+        bytes.len(),
+        4 * vocab_size,
+        "{name}: logits file holds n_vocab f32"
+    );
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// Greedy decoding of 64 tokens from llama.cpp's prompt ids in `prefill_chunk`-token prefill
 /// steps (0: the whole prompt in one step), one result per case.
 fn greedy_runs(prefill_chunk: usize) -> Vec<Generated> {
-    cases()
+    greedy_runs_of(cases(), prefill_chunk)
+}
+
+fn greedy_runs_of(cases: &[Case], prefill_chunk: usize) -> Vec<Generated> {
+    cases
         .iter()
         .map(|case| {
             let chunk = if prefill_chunk == 0 {
@@ -499,5 +519,67 @@ fn prefill_in_chunks_of_7_gives_the_same_tokens_as_whole_prompt_prefill() {
             failures.push(format!("chunked vs whole-prompt prefill: {report}"));
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The engine issue's bar, counted over every prompt we hold llama.cpp's tokens for (the six
+/// core prompts against either llama.cpp build, the second set against the AVX-512 build):
+/// at least five prompts equal for all 64 greedy tokens, one of them over 1,000 tokens. Every
+/// other prompt of the second set must part only where llama.cpp's own top-2 margin is a
+/// near-tie (the core ones are held to that by the tests above). The table is printed
+/// whatever the outcome.
+#[test]
+fn greedy_64_tokens_equal_llama_cpp_on_at_least_five_prompts() {
+    let second = second_build_tokens();
+    let more_runs = greedy_runs_of(more_cases(), 0);
+    let mut exact = Vec::new();
+    let mut failures = Vec::new();
+    let mut report = String::new();
+    let line = |report: &mut String, case: &Case, equal: usize, note: String| {
+        let (name, mode, n) = (&case.name, &case.mode, case.prompt_tokens.len());
+        writeln!(
+            report,
+            "{name:>20} {mode:>5} {n:>5} prompt tokens: {equal}/64{note}"
+        )
+        .unwrap();
+    };
+    let core = cases().iter().zip(whole_prompt_runs()).zip(&second);
+    for ((case, run), (_, other)) in core {
+        let equal =
+            equal_prefix(&run.tokens, &case.greedy_tokens).max(equal_prefix(&run.tokens, other));
+        line(&mut report, case, equal, String::new());
+        if equal == 64 {
+            exact.push(case);
+        }
+    }
+    for (case, run) in more_cases().iter().zip(&more_runs) {
+        let equal = equal_prefix(&run.tokens, &case.greedy_tokens);
+        let margin = case.margins.get(equal).copied();
+        let note = margin.map_or(String::new(), |m| {
+            format!(", then llama.cpp's margin {m:.4}")
+        });
+        line(&mut report, case, equal, note);
+        match margin {
+            None => exact.push(case),
+            Some(m) if m >= NEAR_TIE => failures.push(format!(
+                "{}: parts from llama.cpp at token {equal}, where its margin is {m:.4}",
+                case.name
+            )),
+            Some(_) => {}
+        }
+    }
+    println!(
+        "{report}{} of 12 prompts equal for all 64 tokens",
+        exact.len()
+    );
+    assert!(
+        exact.len() >= 5,
+        "only {} prompts equal:\n{report}",
+        exact.len()
+    );
+    assert!(
+        exact.iter().any(|case| case.prompt_tokens.len() > 1000),
+        "no prompt over 1,000 tokens among the equal ones:\n{report}"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
