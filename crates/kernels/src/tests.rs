@@ -360,3 +360,46 @@ proptest! {
         }
     }
 }
+
+/// The `ggml-exact` Q4_1 kernel's AVX2 version gives the portable version's floats, bit for
+/// bit, for several tokens and rows.
+#[test]
+fn ggml_exact_q41_simd_equals_portable() {
+    let (rows, cols, tokens) = (16, 256, 5);
+    let mut rng = Rng(77);
+    let (bytes, _) = random_q41(&mut rng, rows, cols);
+    let matrix = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, rows, cols, &bytes).unwrap();
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32() * 3.0).collect();
+    let mut acts = QuantActs::default();
+    quantize_acts(&x, tokens, cols, &mut acts);
+    let blocks = matrix.q41_blocks().expect("a Q4_1 matrix");
+    let per_group = cols / BLOCK;
+    let run = |kernel: fn(&[crate::matrix::Q41GroupBlock], crate::matrix::GroupJob)| {
+        let mut out = vec![0f32; rows * tokens];
+        for (group, out) in out.chunks_exact_mut(8 * tokens).enumerate() {
+            let job = crate::matrix::GroupJob {
+                acts: &acts,
+                tokens: 0..tokens,
+                out,
+                stride: tokens,
+            };
+            kernel(&blocks[group * per_group..(group + 1) * per_group], job);
+        }
+        out
+    };
+    let portable = run(crate::ggml_exact::q41_group_portable);
+    let dispatched = run(crate::ggml_exact::q41_group);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&portable), bits(&dispatched));
+    // And both are the matmul: within rounding of the dequantized product.
+    let mut via_matrix = vec![0f32; rows * tokens];
+    matrix.matmul(Backend::GgmlExact, &Workers::new(1), &acts, &mut via_matrix);
+    for t in 0..tokens {
+        for r in 0..rows {
+            assert_eq!(
+                via_matrix[t * rows + r].to_bits(),
+                portable[r * tokens + t].to_bits()
+            );
+        }
+    }
+}

@@ -1,5 +1,5 @@
 //! Prints how far our first-step logits are from llama.cpp's on the reference prompts:
-//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni]`;
+//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni|ggml-exact]`;
 //! `AIRLOCK_REFERENCE_DIR=DIR` compares against another `make_reference.py --out DIR` run.
 
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
@@ -9,7 +9,8 @@ use std::path::Path;
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let backend = std::env::args().nth(1).map(|name| {
-        kernels::Backend::from_name(&name).expect("a backend: scalar, avx2 or avx512-vnni")
+        kernels::Backend::from_name(&name)
+            .expect("a backend: scalar, avx2, avx512-vnni or ggml-exact")
     });
     let options = LoadOptions {
         threads: 2,
@@ -73,6 +74,11 @@ fn main() {
             .map(|(a, b)| (a - b).abs())
             .collect();
         let max = diffs.iter().cloned().fold(0f32, f32::max);
+        let unequal = ours
+            .iter()
+            .zip(&theirs)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
         let mean = diffs.iter().sum::<f32>() / diffs.len() as f32;
         let shift = ours.iter().zip(&theirs).map(|(a, b)| a - b).sum::<f32>() / diffs.len() as f32;
         let request = model::GenerateRequest {
@@ -110,8 +116,9 @@ fn main() {
             .and_then(|m| m.as_f64())
             .unwrap_or(f64::NAN);
         println!(
-            "{name:>20}: logits max {max:.4} mean {mean:.4} shift {shift:+.4}; greedy equal for {equal}/64 \
-             (llama.cpp margin at the first difference {margin:.4})"
+            "{name:>20}: logits max {max:.4} mean {mean:.4} shift {shift:+.4}, {unequal} not \
+             bit-equal; greedy equal for {equal}/64 (llama.cpp margin at the first difference \
+             {margin:.4})"
         );
     }
 }

@@ -2,9 +2,10 @@
 
 use crate::{Error, Model, Result};
 use half::f16;
+use kernels::ggml_exact::{self, DotKind, HeadAttention};
 use kernels::{
     add_in_place, attention_mix_f16, attention_scores_f16, quantize_acts, rms_norm, silu_mul,
-    softmax_in_place, QuantActs,
+    softmax_in_place, Backend, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
 
@@ -195,7 +196,19 @@ impl Model {
     fn norm_rows(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
         let dim = self.config.dim;
         for (row, normed) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-            rms_norm(row, weight, self.config.norm_eps, normed);
+            self.rms_norm(row, weight, normed);
+        }
+    }
+
+    fn exact(&self) -> bool {
+        self.backend == Backend::GgmlExact
+    }
+
+    fn rms_norm(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
+        if self.exact() {
+            ggml_exact::rms_norm(x, weight, self.config.norm_eps, out);
+        } else {
+            rms_norm(x, weight, self.config.norm_eps, out);
         }
     }
 
@@ -217,8 +230,14 @@ impl Model {
         let qkv_width = c.dim + 2 * c.kv_dim();
         for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
             let (q, kv) = row.split_at_mut(c.dim);
-            self.rope.apply(q, source.pos);
-            self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+            if self.exact() {
+                self.rope.apply_with(q, source.pos, ggml_exact::rotate_pair);
+                self.rope
+                    .apply_with(&mut kv[..c.kv_dim()], source.pos, ggml_exact::rotate_pair);
+            } else {
+                self.rope.apply(q, source.pos);
+                self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+            }
             store_kv(&mut views[source.seq], layer, source.pos, kv, c.head_dim);
         }
         self.attend(layer, rows, &b.qkv, views, &mut b.attn);
@@ -244,7 +263,11 @@ impl Model {
             .zip(b.hidden.chunks_exact_mut(c.ffn_dim));
         for (gate_up, hidden) in rows {
             let (gate, up) = gate_up.split_at_mut(c.ffn_dim);
-            silu_mul(gate, up);
+            if self.exact() {
+                ggml_exact::silu_mul(gate, up);
+            } else {
+                silu_mul(gate, up);
+            }
             hidden.copy_from_slice(gate);
         }
         quantize_acts(&b.hidden, n, c.ffn_dim, &mut b.acts);
@@ -269,6 +292,9 @@ impl Model {
         let qkv_width = c.dim + 2 * c.kv_dim();
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
+        if self.exact() {
+            return self.attend_exact(layer, rows, qkv, views, out);
+        }
         self.workers
             .for_each_chunk_mut(out, head_dim, &|chunk, out| {
                 let (row, head) = (chunk / c.head_count, chunk % c.head_count);
@@ -293,6 +319,53 @@ impl Model {
             });
     }
 
+    /// `attend` in llama.cpp's arithmetic (`ggml_exact`): which f16 dot product it uses
+    /// depends, as in llama.cpp, on whether the step holds one token or more.
+    fn attend_exact(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        qkv: &[f32],
+        views: &[PageView],
+        out: &mut [f32],
+    ) {
+        let c = &self.config;
+        let head_dim = c.head_dim;
+        let qkv_width = c.dim + 2 * c.kv_dim();
+        let kind = if rows.len() >= 2 {
+            DotKind::Gemm
+        } else {
+            DotKind::Vector
+        };
+        self.workers
+            .for_each_chunk_mut(out, head_dim, &|chunk, out| {
+                let (row, head) = (chunk / c.head_count, chunk % c.head_count);
+                let kv_head = head / c.group_size();
+                let source = rows[row];
+                let view = &views[source.seq];
+                let page_size = view.layout().page_size_tokens;
+                let len = source.pos + 1;
+                let pages = len.div_ceil(page_size);
+                let keys: Vec<&[f16]> = (0..pages)
+                    .map(|p| view.head(p, layer, KvKind::Key, kv_head))
+                    .collect();
+                let values: Vec<&[f16]> = (0..pages)
+                    .map(|p| view.head(p, layer, KvKind::Value, kv_head))
+                    .collect();
+                let attention = HeadAttention {
+                    keys: &keys,
+                    values: &values,
+                    page_size,
+                    head_dim,
+                    len,
+                    scale: 1.0 / (head_dim as f32).sqrt(),
+                    kind,
+                };
+                let q = &qkv[row * qkv_width + head * head_dim..][..head_dim];
+                attention.run(q, out);
+            });
+    }
+
     /// Final norm and output projection for the chosen rows.
     fn logits(&self, x: &[f32], rows: &[usize]) -> Vec<Vec<f32>> {
         if rows.is_empty() {
@@ -301,12 +374,7 @@ impl Model {
         let c = &self.config;
         let mut normed = vec![0f32; rows.len() * c.dim];
         for (out, &row) in normed.chunks_exact_mut(c.dim).zip(rows) {
-            rms_norm(
-                &x[row * c.dim..(row + 1) * c.dim],
-                &self.output_norm,
-                c.norm_eps,
-                out,
-            );
+            self.rms_norm(&x[row * c.dim..(row + 1) * c.dim], &self.output_norm, out);
         }
         let mut acts = QuantActs::default();
         quantize_acts(&normed, rows.len(), c.dim, &mut acts);

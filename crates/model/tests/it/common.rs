@@ -30,7 +30,19 @@ fn model_path() -> PathBuf {
 /// The model, tokenizer and chat template, loaded once per test binary with 2 threads.
 pub fn loaded() -> &'static Fixture {
     static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    FIXTURE.get_or_init(|| {
+    FIXTURE.get_or_init(|| load_with(None))
+}
+
+/// The model with `--kernels ggml-exact` (llama.cpp's arithmetic), loaded once.
+pub fn exact_model() -> &'static Model {
+    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+    &FIXTURE
+        .get_or_init(|| load_with(Some(kernels::Backend::GgmlExact)))
+        .model
+}
+
+fn load_with(backend: Option<kernels::Backend>) -> Fixture {
+    {
         let path = model_path();
         assert!(
             path.is_file(),
@@ -40,7 +52,7 @@ pub fn loaded() -> &'static Fixture {
         );
         let options = LoadOptions {
             threads: 2,
-            backend: None,
+            backend,
         };
         let loaded = Model::load(&path, &options, &mut |_| {})
             .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
@@ -49,7 +61,7 @@ pub fn loaded() -> &'static Fixture {
             tokenizer: loaded.tokenizer,
             chat_template: loaded.chat_template,
         }
-    })
+    }
 }
 
 pub fn model() -> &'static Model {
@@ -91,10 +103,19 @@ pub fn greedy_request(prompt: &[u32], max_tokens: usize, prefill_chunk: usize) -
 /// Runs `request` in a fresh pool just big enough for it, checks the pool is whole afterwards
 /// (I9), and returns the result with the text streamed through `on_text`.
 pub fn generate_in_fresh_pool(request: &GenerateRequest) -> (Generated, String) {
+    generate_with(model(), request)
+}
+
+/// `generate_in_fresh_pool` with the `ggml-exact` kernels; returns the result.
+pub fn generate_exact(request: &GenerateRequest) -> Generated {
+    generate_with(exact_model(), request).0
+}
+
+fn generate_with(model: &Model, request: &GenerateRequest) -> (Generated, String) {
     let mut pool = pool(request.prompt.len() + request.max_tokens + PAGE_SIZE);
     let mut streamed = String::new();
     let generated = model::generate(
-        model(),
+        model,
         tokenizer(),
         &mut pool,
         owner(1, 1),

@@ -4,6 +4,9 @@
 //! of a second llama.cpp build (same version, compiled for AVX-512) in
 //! `tests/data/reference_avx512/`; and a second set of six prompts (`tests/data/reference_more/`,
 //! `make_reference.py --set more`, AVX-512 build, tokens only).
+//!
+//! These tests hold the fast kernels to llama.cpp up to near-ties; `exact.rs` holds the
+//! `ggml-exact` kernels to the AVX-512 build bit for bit.
 
 use crate::common::{self, max_abs_diff, top_k};
 use gguf::ChatMessage;
