@@ -20,7 +20,8 @@ pub struct ModelArgs {
     /// Compute kernels: auto (the fastest this CPU has), avx512-vnni, avx2 or scalar (the
     /// portable reference; for comparison and debugging). avx512-vnni and avx2 give identical
     /// results. ggml-exact follows llama.cpp's arithmetic operation for operation, so logits
-    /// equal a llama.cpp AVX-512 build's bit for bit (slow: for checking against llama.cpp)
+    /// equal a llama.cpp AVX-512 build's bit for bit (ggml-exact-avx2: an AVX2 build's), on
+    /// any CPU (slower: for checking against llama.cpp)
     #[arg(long, env = "AIRLOCK_KERNELS", default_value = "auto", value_parser = parse_kernels)]
     pub kernels: KernelChoice,
 }
@@ -38,7 +39,7 @@ fn parse_kernels(text: &str) -> Result<KernelChoice, String> {
         return Ok(KernelChoice(None));
     }
     let backend = kernels::Backend::from_name(text).ok_or_else(|| {
-        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2, scalar or ggml-exact")
+        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2, scalar, ggml-exact or ggml-exact-avx2")
     })?;
     if !backend.is_supported() {
         return Err(format!(

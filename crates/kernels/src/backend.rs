@@ -12,6 +12,9 @@ pub enum Backend {
     /// llama.cpp's own arithmetic, lane for lane (see `ggml_exact`): logits equal to a
     /// llama.cpp AVX-512 build's, bit for bit, on any CPU. Slow; for checking against it.
     GgmlExact,
+    /// As `GgmlExact`, for a llama.cpp build for AVX2 without AVX-512 (8-lane attention sums,
+    /// its own `ggml_v_expf`).
+    GgmlExactAvx2,
 }
 
 impl Backend {
@@ -41,16 +44,26 @@ impl Backend {
 
     /// Whether this CPU can run `self` (`GgmlExact` is portable Rust, like `Scalar`).
     pub fn is_supported(self) -> bool {
-        self == Backend::GgmlExact || Backend::available().contains(&self)
+        self.ggml_build().is_some() || Backend::available().contains(&self)
     }
 
-    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni` / `ggml-exact`).
+    /// The llama.cpp build a `ggml-exact` backend reproduces; `None` for the fast ones.
+    pub fn ggml_build(self) -> Option<crate::ggml_exact::Build> {
+        match self {
+            Backend::GgmlExact => Some(crate::ggml_exact::Build::Avx512),
+            Backend::GgmlExactAvx2 => Some(crate::ggml_exact::Build::Avx2),
+            Backend::Scalar | Backend::Avx2 | Backend::Avx512Vnni => None,
+        }
+    }
+
+    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni` / `ggml-exact` / `ggml-exact-avx2`).
     pub fn from_name(name: &str) -> Option<Backend> {
         [
             Backend::Scalar,
             Backend::Avx2,
             Backend::Avx512Vnni,
             Backend::GgmlExact,
+            Backend::GgmlExactAvx2,
         ]
         .into_iter()
         .find(|b| b.name() == name || b.short_name() == name)
@@ -62,6 +75,7 @@ impl Backend {
             Backend::Avx2 => "avx2+fma+f16c",
             Backend::Avx512Vnni => "avx512-vnni+avx2",
             Backend::GgmlExact => "ggml-exact",
+            Backend::GgmlExactAvx2 => "ggml-exact-avx2",
         }
     }
 
@@ -71,6 +85,7 @@ impl Backend {
             Backend::Avx2 => "avx2",
             Backend::Avx512Vnni => "avx512-vnni",
             Backend::GgmlExact => "ggml-exact",
+            Backend::GgmlExactAvx2 => "ggml-exact-avx2",
         }
     }
 }

@@ -6,7 +6,8 @@
 //! can flip one activation's 8-bit rounding and, some tokens later, the chosen token. The fast
 //! backends keep their own summation order; this one follows, for every operation on the road
 //! from token to logits, what ggml 0.3.36 (as vendored by `llama-cpp-python` 0.3.36) computes
-//! when built with GCC for an AVX-512 CPU (`GGML_NATIVE`), flash attention off, f16 KV cache:
+//! when built with GCC for an AVX-512 CPU (`GGML_NATIVE`), flash attention off, f16 KV cache,
+//! or for an AVX2 CPU ([`Build`]; the rows below marked 16 lanes have 8 there):
 //!
 //! | operation | ggml code | what is reproduced |
 //! |---|---|---|
@@ -15,9 +16,9 @@
 //! | RMSNorm | `ggml_compute_forward_rms_norm_f32` | f32 squares summed in f64 |
 //! | RoPE | `rotate_pairs` as GCC contracts it | `x0·cos − x1·sin` with the first product fused |
 //! | K·Q, p·V, prompt | `llamafile_sgemm` (tinyBLAS, 16 lanes) | one 16-lane FMA accumulator, `_mm512_reduce_add_ps` |
-//! | K·Q, p·V, one token | `ggml_vec_dot_f16` (AVX-512) | four 16-lane accumulators, folded 0+2, 1+3, then 0+1 |
-//! | softmax | `ggml_vec_soft_max_f32` | `ggml_v_expf` (AVX-512), 16-wide partial sums added in f64 |
-//! | SwiGLU | `ggml_vec_swiglu_f32` | `ggml_v_silu` (AVX-512) times up |
+//! | K·Q, p·V, one token | `ggml_vec_dot_f16` | four 16-lane accumulators, folded 0+2, 1+3, then 0+1 (AVX2: then `hadd` twice) |
+//! | softmax | `ggml_vec_soft_max_f32` | `ggml_v_expf` (the build's own), 16-wide partial sums added in f64 |
+//! | SwiGLU | `ggml_vec_swiglu_f32` | `ggml_v_silu` (the build's own) times up |
 //!
 //! Everything here is elementwise emulation of those lanes: slow (for tests and for checking a
 //! model port), never used unless asked for.
@@ -46,6 +47,58 @@ macro_rules! with_fma {
         }
         $body
     }};
+}
+
+/// Which llama.cpp CPU build to reproduce: they differ in vector width (the attention lanes
+/// and softmax sums), in `ggml_v_expf` and in one reduction; everything else is shared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Build {
+    /// AVX-512 (F, DQ): 16-lane registers.
+    Avx512,
+    /// AVX2, FMA and F16C without AVX-512: 8-lane registers.
+    Avx2,
+}
+
+impl Build {
+    /// f32 lanes in one vector register.
+    #[inline(always)]
+    fn lanes(self) -> usize {
+        match self {
+            Build::Avx512 => 16,
+            Build::Avx2 => 8,
+        }
+    }
+
+    /// One register's lanes summed as tinyBLAS's `hsum` and the softmax sum do.
+    #[inline(always)]
+    fn hsum(self, v: &[f32]) -> f32 {
+        match self {
+            Build::Avx512 => reduce_add_16(v.try_into().expect("16 lanes")),
+            Build::Avx2 => hsum_float_8(v.try_into().expect("8 lanes")),
+        }
+    }
+
+    /// The last step of `ggml_vec_dot_f16`'s `GGML_F32xN_REDUCE`, over one register.
+    #[inline(always)]
+    fn reduce_dot(self, v: &[f32]) -> f32 {
+        match self {
+            Build::Avx512 => reduce_add_16(v.try_into().expect("16 lanes")),
+            Build::Avx2 => {
+                // Halves added, then `_mm_hadd_ps` twice.
+                let t: [f32; 4] = std::array::from_fn(|i| v[i] + v[i + 4]);
+                (t[0] + t[1]) + (t[2] + t[3])
+            }
+        }
+    }
+
+    /// One lane of the build's `ggml_v_expf`.
+    #[inline(always)]
+    pub fn expf(self, x: f32) -> f32 {
+        match self {
+            Build::Avx512 => expf(x),
+            Build::Avx2 => expf_avx2(x),
+        }
+    }
 }
 
 #[inline(always)]
@@ -97,22 +150,48 @@ pub fn expf(x: f32) -> f32 {
     (j as f64 * power) as f32
 }
 
-/// One lane of ggml's AVX-512 `ggml_v_silu`.
+/// One lane of ggml's AVX2 `ggml_v_expf`: the same reduction and polynomial as the AVX-512
+/// one but for its last term, with 2^n built from exponent bits and scaled in two steps
+/// where it leaves the normal range.
 #[inline(always)]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + expf(0.0 - x))
+pub fn expf_avx2(x: f32) -> f32 {
+    let c = f32::from_bits;
+    let r = c(0x4b40_0000);
+    let z = x.mul_add(c(0x3fb8_aa3b), r);
+    let n = z - r;
+    let b = (-n).mul_add(c(0x35bf_be8e), (-n).mul_add(c(0x3f31_7200), x));
+    let e = z.to_bits() << 23;
+    let k = f32::from_bits(e.wrapping_add(1.0f32.to_bits()));
+    let u = b * b;
+    let j = c(0x3c07_2010)
+        .mul_add(b, c(0x3d2b_9f17))
+        .mul_add(u, c(0x3e2a_af33).mul_add(b, c(0x3eff_fedb)))
+        .mul_add(u, c(0x3f7f_fff6) * b);
+    // The vector compare is false for NaN, which takes this (the common) path.
+    let outside_normal = n.abs() > 126.0;
+    if !outside_normal {
+        return k.mul_add(j, k);
+    }
+    let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+    let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+    if n.abs() > 192.0 {
+        return s1 * s1;
+    }
+    let s2 = f32::from_bits(e.wrapping_sub(g));
+    s2.mul_add(j, s2) * s1
 }
 
-/// `gate = silu(gate) * up` as `ggml_vec_swiglu_f32` computes it.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+/// `gate = silu(gate) * up` as `ggml_vec_swiglu_f32` computes it (`ggml_v_silu`:
+/// `x / (1 + exp(0 - x))` with the build's `ggml_v_expf`).
+pub fn silu_mul(build: Build, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gate and up have equal length");
-    with_fma!(silu_mul_body(gate, up))
+    with_fma!(silu_mul_body(build, gate, up))
 }
 
 #[inline(always)]
-fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
+fn silu_mul_body(build: Build, gate: &mut [f32], up: &[f32]) {
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = silu(*g) * u;
+        *g = *g / (1.0 + build.expf(0.0 - *g)) * u;
     }
 }
 
@@ -282,50 +361,56 @@ pub enum DotKind {
     Vector,
 }
 
-/// Folds `ggml_vec_dot_f16`'s four 16-lane accumulators as `GGML_F32x16_REDUCE` does:
-/// 0+2 and 1+3, then 0+1, then across lanes.
+/// Folds `ggml_vec_dot_f16`'s four accumulators as `GGML_F32xN_REDUCE` does: 0+2 and 1+3,
+/// then 0+1, then across the lanes of the one register left.
 #[inline(always)]
-fn fold_4x16(acc: &[[f32; 16]; 4]) -> f32 {
+fn fold_4(build: Build, acc: &[[f32; 16]; 4]) -> f32 {
+    let w = build.lanes();
     let [mut a0, mut a1, a2, a3] = *acc;
-    for lane in 0..16 {
+    for lane in 0..w {
         a0[lane] += a2[lane];
         a1[lane] += a3[lane];
     }
-    for lane in 0..16 {
+    for lane in 0..w {
         a0[lane] += a1[lane];
     }
-    reduce_add_16(&a0)
+    build.reduce_dot(&a0[..w])
 }
 
 /// `x · y` as llama.cpp's f16 dot product of `kind` sums it (inputs already widened to f32).
 #[inline(always)]
-fn dot(kind: DotKind, x: &[f32], y: &[f32]) -> f32 {
+fn dot(build: Build, kind: DotKind, x: &[f32], y: &[f32]) -> f32 {
+    let w = build.lanes();
     match kind {
         DotKind::Gemm => {
             assert!(
-                x.len().is_multiple_of(16),
-                "tinyBLAS needs whole 16-lane steps"
+                x.len().is_multiple_of(w),
+                "tinyBLAS needs whole register steps"
             );
             let mut acc = [0f32; 16];
-            for (x, y) in x.chunks_exact(16).zip(y.chunks_exact(16)) {
-                for lane in 0..16 {
+            for (x, y) in x.chunks_exact(w).zip(y.chunks_exact(w)) {
+                for lane in 0..w {
                     acc[lane] = x[lane].mul_add(y[lane], acc[lane]);
                 }
             }
-            reduce_add_16(&acc)
+            build.hsum(&acc[..w])
         }
         DotKind::Vector => {
-            let whole = x.len() - x.len() % 64;
+            let step = 4 * w;
+            let whole = x.len() - x.len() % step;
             let mut acc = [[0f32; 16]; 4];
-            for (x, y) in x[..whole].chunks_exact(64).zip(y[..whole].chunks_exact(64)) {
-                let registers = x.chunks_exact(16).zip(y.chunks_exact(16));
+            for (x, y) in x[..whole]
+                .chunks_exact(step)
+                .zip(y[..whole].chunks_exact(step))
+            {
+                let registers = x.chunks_exact(w).zip(y.chunks_exact(w));
                 for (acc, (x, y)) in acc.iter_mut().zip(registers) {
-                    for (lane, acc) in acc.iter_mut().enumerate() {
+                    for (lane, acc) in acc[..w].iter_mut().enumerate() {
                         *acc = x[lane].mul_add(y[lane], *acc);
                     }
                 }
             }
-            let mut sum = fold_4x16(&acc) as f64;
+            let mut sum = fold_4(build, &acc) as f64;
             for (x, y) in x[whole..].iter().zip(&y[whole..]) {
                 sum += (x * y) as f64;
             }
@@ -346,6 +431,7 @@ pub struct HeadAttention<'a> {
     pub len: usize,
     pub scale: f32,
     pub kind: DotKind,
+    pub build: Build,
 }
 
 impl HeadAttention<'_> {
@@ -362,27 +448,27 @@ impl HeadAttention<'_> {
 
     #[inline(always)]
     fn run_body(&self, q: &[f32], out: &mut [f32]) {
-        let head_dim = self.head_dim;
+        let (head_dim, build, w) = (self.head_dim, self.build, self.build.lanes());
         assert_eq!(q.len(), head_dim, "one query head");
         assert_eq!(out.len(), head_dim, "one output head");
         let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
         let mut slot = vec![0f32; head_dim];
-        let padded = self.len.div_ceil(16) * 16;
+        let padded = self.len.div_ceil(w) * w;
         let mut probs = vec![0f32; padded];
         for (pos, score) in probs[..self.len].iter_mut().enumerate() {
             self.slot(self.keys, pos).convert_to_f32_slice(&mut slot);
-            *score = dot(self.kind, &slot, &q16) * self.scale;
+            *score = dot(build, self.kind, &slot, &q16) * self.scale;
         }
         let max = probs[..self.len]
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         for p in &mut probs[..self.len] {
-            *p = expf(*p - max);
+            *p = build.expf(*p - max);
         }
-        // Masked positions up to the next multiple of 16 are exp(-inf) = 0 in llama.cpp.
+        // Masked positions up to the next whole register are exp(-inf) = 0 in llama.cpp.
         let sum: f64 = probs
-            .chunks_exact(16)
-            .map(|chunk| reduce_add_16(chunk.try_into().expect("16 lanes")) as f64)
+            .chunks_exact(w)
+            .map(|chunk| build.hsum(chunk) as f64)
             .sum();
         let inv = (1.0 / sum) as f32;
         for p in &mut probs[..self.len] {
@@ -396,25 +482,31 @@ impl HeadAttention<'_> {
             DotKind::Gemm => 1,
             DotKind::Vector => 4,
         };
-        let mut acc = vec![0f32; registers * 16 * head_dim];
+        let mut acc = vec![0f32; registers * w * head_dim];
         for (pos, &p) in probs[..self.len].iter().enumerate() {
             self.slot(self.values, pos).convert_to_f32_slice(&mut slot);
             let register = match self.kind {
                 DotKind::Gemm => 0,
-                DotKind::Vector => (pos % 64) / 16,
+                DotKind::Vector => (pos % (4 * w)) / w,
             };
-            let row = &mut acc[(register * 16 + pos % 16) * head_dim..][..head_dim];
+            let row = &mut acc[(register * w + pos % w) * head_dim..][..head_dim];
             for (a, &v) in row.iter_mut().zip(&slot) {
                 *a = v.mul_add(p, *a);
             }
         }
         let lanes = |register: usize, d: usize| -> [f32; 16] {
-            std::array::from_fn(|lane| acc[(register * 16 + lane) * head_dim + d])
+            std::array::from_fn(|lane| {
+                if lane < w {
+                    acc[(register * w + lane) * head_dim + d]
+                } else {
+                    0.0
+                }
+            })
         };
         for (d, o) in out.iter_mut().enumerate() {
             *o = match self.kind {
-                DotKind::Gemm => reduce_add_16(&lanes(0, d)),
-                DotKind::Vector => fold_4x16(&std::array::from_fn(|r| lanes(r, d))),
+                DotKind::Gemm => build.hsum(&lanes(0, d)[..w]),
+                DotKind::Vector => fold_4(build, &std::array::from_fn(|r| lanes(r, d))),
             };
         }
     }
@@ -438,6 +530,35 @@ mod tests {
         assert_eq!(expf(-200.0), 0.0);
         assert_eq!(expf(200.0), f32::INFINITY);
         assert_eq!(expf(0.0), 1.0);
+    }
+
+    #[test]
+    fn avx2_expf_is_close_to_libm_including_its_two_step_scaling() {
+        for i in -2000..=2000 {
+            let x = i as f32 * 0.043;
+            let (ours, libm) = (expf_avx2(x), x.exp());
+            assert!(
+                ((ours - libm) / libm).abs() < 4.0 * f32::EPSILON,
+                "expf_avx2({x}) = {ours}, libm {libm}"
+            );
+        }
+        // 126 < |n| <= 192: the scaled path; below 2^-126 the results are subnormal.
+        for x in [-88.5f32, -90.0, -95.0, 88.5] {
+            let (ours, libm) = (expf_avx2(x), x.exp());
+            assert!(
+                ((ours - libm) / libm).abs() < 1.0e-5,
+                "expf_avx2({x}) = {ours}, libm {libm}"
+            );
+        }
+        assert_eq!(expf_avx2(f32::NEG_INFINITY), 0.0);
+        assert_eq!(expf_avx2(-200.0), 0.0);
+        assert_eq!(expf_avx2(200.0), f32::INFINITY);
+        assert_eq!(expf_avx2(0.0), 1.0);
+        // The two builds' polynomials are not the same function.
+        assert!((-2000..2000).any(|i| {
+            let x = i as f32 * 0.011;
+            expf(x) != expf_avx2(x)
+        }));
     }
 
     #[test]

@@ -288,7 +288,7 @@ fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
         Backend::Scalar => scalar::q41_group(group, job),
         Backend::Avx2 => avx2::q41_group(group, job),
         Backend::Avx512Vnni => vnni::q41_group(group, job),
-        Backend::GgmlExact => ggml_exact::q41_group(group, job),
+        Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q41_group(group, job),
     }
 }
 
@@ -297,7 +297,7 @@ fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
         Backend::Scalar => scalar::q80_group(group, job),
         Backend::Avx2 => avx2::q80_group(group, job),
         Backend::Avx512Vnni => vnni::q80_group(group, job),
-        Backend::GgmlExact => ggml_exact::q80_group(group, job),
+        Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q80_group(group, job),
     }
 }
 

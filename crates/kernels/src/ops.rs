@@ -61,7 +61,7 @@ pub fn attention_scores_f16(
         "a key for every score"
     );
     match backend {
-        Backend::Scalar | Backend::GgmlExact => {
+        Backend::Scalar | Backend::GgmlExact | Backend::GgmlExactAvx2 => {
             for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
                 *score = scalar::dot_f16(q, key) * scale;
             }
@@ -78,7 +78,7 @@ pub fn attention_mix_f16(backend: Backend, weights: &[f32], values: &[f16], out:
         "a value for every weight"
     );
     match backend {
-        Backend::Scalar | Backend::GgmlExact => {
+        Backend::Scalar | Backend::GgmlExact | Backend::GgmlExactAvx2 => {
             for (&weight, value) in weights.iter().zip(values.chunks_exact(out.len())) {
                 scalar::axpy_f16(out, f16::from_f32(weight).to_f32(), value);
             }

@@ -2,10 +2,10 @@
 
 use crate::{Error, Model, Result};
 use half::f16;
-use kernels::ggml_exact::{self, DotKind, HeadAttention};
+use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
 use kernels::{
     add_in_place, attention_mix_f16, attention_scores_f16, quantize_acts, rms_norm, silu_mul,
-    softmax_in_place, Backend, QuantActs,
+    softmax_in_place, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
 
@@ -200,12 +200,13 @@ impl Model {
         }
     }
 
-    fn exact(&self) -> bool {
-        self.backend == Backend::GgmlExact
+    /// The llama.cpp build whose arithmetic this model reproduces (`ggml-exact` kernels).
+    fn exact(&self) -> Option<Build> {
+        self.backend.ggml_build()
     }
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
-        if self.exact() {
+        if self.exact().is_some() {
             ggml_exact::rms_norm(x, weight, self.config.norm_eps, out);
         } else {
             rms_norm(x, weight, self.config.norm_eps, out);
@@ -230,7 +231,7 @@ impl Model {
         let qkv_width = c.dim + 2 * c.kv_dim();
         for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
             let (q, kv) = row.split_at_mut(c.dim);
-            if self.exact() {
+            if self.exact().is_some() {
                 self.rope.apply_with(q, source.pos, ggml_exact::rotate_pair);
                 self.rope
                     .apply_with(&mut kv[..c.kv_dim()], source.pos, ggml_exact::rotate_pair);
@@ -263,8 +264,8 @@ impl Model {
             .zip(b.hidden.chunks_exact_mut(c.ffn_dim));
         for (gate_up, hidden) in rows {
             let (gate, up) = gate_up.split_at_mut(c.ffn_dim);
-            if self.exact() {
-                ggml_exact::silu_mul(gate, up);
+            if let Some(build) = self.exact() {
+                ggml_exact::silu_mul(build, gate, up);
             } else {
                 silu_mul(gate, up);
             }
@@ -292,8 +293,8 @@ impl Model {
         let qkv_width = c.dim + 2 * c.kv_dim();
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
-        if self.exact() {
-            return self.attend_exact(layer, rows, qkv, views, out);
+        if let Some(build) = self.exact() {
+            return self.attend_exact(build, layer, rows, qkv, views, out);
         }
         self.workers
             .for_each_chunk_mut(out, head_dim, &|chunk, out| {
@@ -323,6 +324,7 @@ impl Model {
     /// depends, as in llama.cpp, on whether the step holds one token or more.
     fn attend_exact(
         &self,
+        build: Build,
         layer: usize,
         rows: &[RowSource],
         qkv: &[f32],
@@ -360,6 +362,7 @@ impl Model {
                     len,
                     scale: 1.0 / (head_dim as f32).sqrt(),
                     kind,
+                    build,
                 };
                 let q = &qkv[row * qkv_width + head * head_dim..][..head_dim];
                 attention.run(q, out);

@@ -33,12 +33,16 @@ pub fn loaded() -> &'static Fixture {
     FIXTURE.get_or_init(|| load_with(None))
 }
 
-/// The model with `--kernels ggml-exact` (llama.cpp's arithmetic), loaded once.
-pub fn exact_model() -> &'static Model {
-    static FIXTURE: OnceLock<Fixture> = OnceLock::new();
-    &FIXTURE
-        .get_or_init(|| load_with(Some(kernels::Backend::GgmlExact)))
-        .model
+/// The model with a `ggml-exact` backend (llama.cpp's arithmetic), loaded once per backend.
+pub fn exact_model(backend: kernels::Backend) -> &'static Model {
+    static AVX512: OnceLock<Fixture> = OnceLock::new();
+    static AVX2: OnceLock<Fixture> = OnceLock::new();
+    let cell = match backend {
+        kernels::Backend::GgmlExact => &AVX512,
+        kernels::Backend::GgmlExactAvx2 => &AVX2,
+        other => panic!("{} is not a ggml-exact backend", other.name()),
+    };
+    &cell.get_or_init(|| load_with(Some(backend))).model
 }
 
 fn load_with(backend: Option<kernels::Backend>) -> Fixture {
@@ -106,9 +110,9 @@ pub fn generate_in_fresh_pool(request: &GenerateRequest) -> (Generated, String) 
     generate_with(model(), request)
 }
 
-/// `generate_in_fresh_pool` with the `ggml-exact` kernels; returns the result.
-pub fn generate_exact(request: &GenerateRequest) -> Generated {
-    generate_with(exact_model(), request).0
+/// `generate_in_fresh_pool` with `model`; returns the result.
+pub fn generate_on(model: &Model, request: &GenerateRequest) -> Generated {
+    generate_with(model, request).0
 }
 
 fn generate_with(model: &Model, request: &GenerateRequest) -> (Generated, String) {

@@ -3,7 +3,7 @@
 //! - `reference`: tokenizer ids, greedy tokens and first-step logits against llama.cpp
 //!   (`tests/data/reference.json`), and chunked prefill against whole-prompt prefill.
 //! - `exact`: the `ggml-exact` kernels equal llama.cpp bit for bit (first-step logits) and
-//!   token for token (64 greedy tokens) on all twelve reference prompts.
+//!   token for token (64 greedy tokens) on every reference prompt of the build they emulate.
 //! - `isolation`: I1 (a forward pass touches only pages its table still owns) and I9 (no page
 //!   leak), and that a batched step does not mix its sequences.
 //! - `generate`: the generation loop: length and stop endings, admission errors that leave the
