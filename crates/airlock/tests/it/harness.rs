@@ -65,6 +65,8 @@ pub struct Options {
     pub secret: ClusterSecret,
     /// More workers for the router to link, started by the test (e.g. impostors).
     pub extra_workers: Vec<(String, Role)>,
+    /// The real model's kernels (`None`: the fastest this CPU has).
+    pub kernels: Option<kernels::Backend>,
 }
 
 impl Options {
@@ -83,6 +85,7 @@ impl Options {
             page_size: 16,
             secret: ClusterSecret::random(),
             extra_workers: Vec::new(),
+            kernels: None,
         }
     }
 }
@@ -129,9 +132,13 @@ pub fn tokenizer() -> &'static Tokenizer {
 }
 
 pub fn load_model() -> model::Loaded {
+    load_model_with(None)
+}
+
+pub fn load_model_with(kernels: Option<kernels::Backend>) -> model::Loaded {
     let options = LoadOptions {
         threads: 1,
-        backend: None,
+        backend: kernels,
     };
     Model::load(model_path().as_ref(), &options, &mut |_| {}).expect("model loads")
 }
@@ -198,7 +205,7 @@ pub fn start(options: Options) -> TestServer {
             };
             let worker = match options.backend {
                 Backend::Real => {
-                    let loaded = load_model();
+                    let loaded = load_model_with(options.kernels);
                     let listener = Listener::Tcp(listener);
                     let tcp = Arc::new(Tcp);
                     let (model, tokenizer) = (loaded.model, loaded.tokenizer);

@@ -417,3 +417,51 @@ fn keys_decide_the_tenant_and_limits_answer_429() {
         assert!(idle, "{page}");
     });
 }
+
+/// The reference bar through the whole served path: with `--kernels ggml-exact`, a
+/// disaggregated server (prefill on one worker, KV pages sent over TCP, decode on the other)
+/// answers every chat prompt of the AVX-512 reference runs with llama.cpp's greedy text, up to
+/// its first EOS (the server stops there; llama.cpp's reference run went on). With the fast
+/// kernels this fails at the first prompt, whose answer parts from llama.cpp's at a near-tie.
+#[test]
+fn served_greedy_chat_answers_equal_llama_cpp_with_ggml_exact_kernels() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut cases = Vec::new();
+    for folder in ["tests/data/reference_avx512", "tests/data/reference_more"] {
+        let text = std::fs::read_to_string(root.join(folder).join("reference.json"))
+            .expect("reference data");
+        let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        let chats = json["cases"].as_array().expect("cases").iter();
+        cases.extend(chats.filter(|c| c["mode"] == "chat").cloned());
+    }
+    assert_eq!(cases.len(), 5, "five chat prompts over the two sets");
+    let mut options = Options::new(Mode::Disaggregated);
+    options.kernels = Some(kernels::Backend::GgmlExact);
+    let server = start(options);
+    runtime().block_on(async {
+        for case in &cases {
+            let reference = case["greedy_text"].as_str().expect("text");
+            let (expected, finish) = match reference.find("<|im_end|>") {
+                Some(end) => (&reference[..end], "stop"),
+                None => (reference, "length"),
+            };
+            let body = json!({
+                "model": MODEL,
+                "messages": case["messages"],
+                "max_tokens": 64,
+                "temperature": 0,
+            });
+            let answer = post(&server.url, "/v1/chat/completions", body).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            let json = answer.json();
+            let choice = &json["choices"][0];
+            assert_eq!(
+                choice["message"]["content"].as_str(),
+                Some(expected),
+                "{}",
+                case["name"]
+            );
+            assert_eq!(choice["finish_reason"], finish, "{}", case["name"]);
+        }
+    });
+}
