@@ -126,7 +126,7 @@ impl RopeTable {
     }
 
     /// `apply` with another rotation of one `(x0, x1)` pair by `(cos, sin)`.
-    pub fn apply_with(&self, x: &mut [f32], pos: usize, rotate: fn(&mut [f32], f32, f32)) {
+    pub fn apply_with(&self, x: &mut [f32], pos: usize, rotate: impl Fn(&mut [f32], f32, f32)) {
         assert!(pos < self.positions, "position within the rope table");
         assert_eq!(x.len() % self.head_dim, 0, "a whole number of heads");
         let pairs = self.head_dim / 2;
@@ -141,15 +141,9 @@ impl RopeTable {
 
 /// Rotates every `head_dim`-wide head of `x` by the angles of position `pos`.
 pub fn rope_in_place(table: &RopeTable, x: &mut [f32], pos: usize) {
-    assert!(pos < table.positions, "position within the rope table");
-    assert_eq!(x.len() % table.head_dim, 0, "a whole number of heads");
-    let pairs = table.head_dim / 2;
-    let angles = &table.cos_sin[pos * pairs..(pos + 1) * pairs];
-    for head in x.chunks_exact_mut(table.head_dim) {
-        for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(angles) {
-            let (x0, x1) = (pair[0], pair[1]);
-            pair[0] = x0 * cos - x1 * sin;
-            pair[1] = x0 * sin + x1 * cos;
-        }
-    }
+    table.apply_with(x, pos, |pair, cos, sin| {
+        let (x0, x1) = (pair[0], pair[1]);
+        pair[0] = x0 * cos - x1 * sin;
+        pair[1] = x0 * sin + x1 * cos;
+    })
 }
