@@ -20,8 +20,11 @@
 //! | softmax | `ggml_vec_soft_max_f32` | `ggml_v_expf` (the build's own), 16-wide partial sums added in f64 |
 //! | SwiGLU | `ggml_vec_swiglu_f32` | `ggml_v_silu` (the build's own) times up |
 //!
-//! Everything here is elementwise emulation of those lanes: slow (for tests and for checking a
-//! model port), never used unless asked for.
+//! Everything here is elementwise emulation of those lanes: slower than the fast backends (for
+//! tests and for checking a model port), never used unless asked for. Bit-equality holds for a
+//! sequence evaluated on its own, as the reference runs are: when llama.cpp batches several
+//! sequences, where their cells sit in its shared cache decides the attention lanes, which a
+//! paged engine does not reproduce (and does not need to).
 
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
 use half::f16;
