@@ -39,7 +39,10 @@ fn parse_kernels(text: &str) -> Result<KernelChoice, String> {
         return Ok(KernelChoice(None));
     }
     let backend = kernels::Backend::from_name(text).ok_or_else(|| {
-        format!("unknown kernels '{text}': use auto, avx512-vnni, avx2, scalar, ggml-exact or ggml-exact-avx2")
+        format!(
+            "unknown kernels '{text}': use auto, avx512-vnni, avx2, scalar, ggml-exact or \
+             ggml-exact-avx2"
+        )
     })?;
     if !backend.is_supported() {
         return Err(format!(
@@ -112,6 +115,10 @@ mod tests {
         assert_eq!(
             parse_kernels("ggml-exact").unwrap().0,
             Some(kernels::Backend::GgmlExact)
+        );
+        assert_eq!(
+            parse_kernels("ggml-exact-avx2").unwrap().0,
+            Some(kernels::Backend::GgmlExactAvx2)
         );
         assert_eq!(
             parse_kernels("scalar").unwrap().0,

@@ -56,7 +56,8 @@ impl Backend {
         }
     }
 
-    /// Parses a backend's name (`name()`, or `scalar` / `avx2` / `avx512-vnni` / `ggml-exact` / `ggml-exact-avx2`).
+    /// Parses a backend's name: `name()`, or `scalar` / `avx2` / `avx512-vnni` / `ggml-exact`
+    /// / `ggml-exact-avx2`.
     pub fn from_name(name: &str) -> Option<Backend> {
         [
             Backend::Scalar,

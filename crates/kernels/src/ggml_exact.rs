@@ -45,10 +45,15 @@ macro_rules! with_fma {
             if std::arch::is_x86_feature_detected!("fma") {
                 // SAFETY: the CPU supports FMA (checked just above), the only feature `fused`
                 // is compiled with.
-                return unsafe { fused(|| $body) };
+                unsafe { fused(|| $body) }
+            } else {
+                $body
             }
         }
-        $body
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $body
+        }
     }};
 }
 
@@ -96,7 +101,7 @@ impl Build {
 
     /// One lane of the build's `ggml_v_expf`.
     #[inline(always)]
-    pub fn expf(self, x: f32) -> f32 {
+    fn expf(self, x: f32) -> f32 {
         match self {
             Build::Avx512 => expf(x),
             Build::Avx2 => expf_avx2(x),
@@ -111,7 +116,7 @@ fn f16_to_f32(bits: u16) -> f32 {
 
 /// `_mm512_reduce_add_ps` as GCC defines it: halves, then quarters, then pairs.
 #[inline(always)]
-pub fn reduce_add_16(v: &[f32; 16]) -> f32 {
+fn reduce_add_16(v: &[f32; 16]) -> f32 {
     let mut t8 = [0f32; 8];
     for i in 0..8 {
         t8[i] = v[i + 8] + v[i];
@@ -133,7 +138,7 @@ fn hsum_float_8(v: &[f32; 8]) -> f32 {
 /// One lane of ggml's AVX-512 `ggml_v_expf` (a polynomial after Arm's optimized routines;
 /// within 1.5 ulp of `expf`, not equal to it).
 #[inline(always)]
-pub fn expf(x: f32) -> f32 {
+fn expf(x: f32) -> f32 {
     let c = f32::from_bits;
     let r = c(0x4b40_0000); // 0x1.8p23: adding it rounds to an integer
     let z = x.mul_add(c(0x3fb8_aa3b), r); // log2(e)
@@ -157,7 +162,7 @@ pub fn expf(x: f32) -> f32 {
 /// one but for its last term, with 2^n built from exponent bits and scaled in two steps
 /// where it leaves the normal range.
 #[inline(always)]
-pub fn expf_avx2(x: f32) -> f32 {
+fn expf_avx2(x: f32) -> f32 {
     let c = f32::from_bits;
     let r = c(0x4b40_0000);
     let z = x.mul_add(c(0x3fb8_aa3b), r);
@@ -210,9 +215,15 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates one adjacent pair as GCC compiles `rotate_pairs` (the first product of each
-/// expression fused into the subtraction or addition).
-pub fn rotate_pair(pair: &mut [f32], cos: f32, sin: f32) {
+/// Rotates every head of `x` for position `pos` as GCC compiles ggml's `rotate_pairs`.
+pub fn rope(table: &crate::RopeTable, x: &mut [f32], pos: usize) {
+    with_fma!(table.apply_with(x, pos, rotate_pair))
+}
+
+/// One adjacent pair: the first product of each expression fused into the subtraction or
+/// addition.
+#[inline(always)]
+fn rotate_pair(pair: &mut [f32], cos: f32, sin: f32) {
     let (x0, x1) = (pair[0], pair[1]);
     pair[0] = x0.mul_add(cos, -(x1 * sin));
     pair[1] = x0.mul_add(sin, x1 * cos);
@@ -235,11 +246,14 @@ fn lane_sums(weight: impl Fn(usize) -> i32, acts: &[i8; 32]) -> [f32; 8] {
 pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
     #[cfg(target_arch = "x86_64")]
     if crate::backend::has_avx2() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above).
+        // SAFETY: `has_avx2` checked avx2, fma and f16c, the features the kernel needs.
         return unsafe { q41_group_avx2(group, job) };
     }
     q41_group_portable(group, job)
 }
+
+// The AVX2 kernel loads a block's activations as one 32-byte register.
+const _: () = assert!(crate::BLOCK == 32);
 
 /// `q41_group` in AVX2: the very lanes ggml's AVX2 kernel has (`maddubs` then `madd` gives
 /// the eight 4-product sums), so the floats are the portable version's (tested).
@@ -451,17 +465,40 @@ impl HeadAttention<'_> {
 
     #[inline(always)]
     fn run_body(&self, q: &[f32], out: &mut [f32]) {
-        let (head_dim, build, w) = (self.head_dim, self.build, self.build.lanes());
-        assert_eq!(q.len(), head_dim, "one query head");
-        assert_eq!(out.len(), head_dim, "one output head");
+        assert_eq!(q.len(), self.head_dim, "one query head");
+        assert_eq!(out.len(), self.head_dim, "one output head");
+        let mut probs = self.scores(q);
+        self.softmax_to_f16(&mut probs);
+        self.mix(&probs, out);
+    }
+
+    /// `scale · (K·q)` for every position, Q rounded to f16 first (ggml converts it to the
+    /// cache's type). Zero-padded to a whole register.
+    #[inline(always)]
+    fn scores(&self, q: &[f32]) -> Vec<f32> {
+        let w = self.build.lanes();
         let q16: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-        let mut slot = vec![0f32; head_dim];
-        let padded = self.len.div_ceil(w) * w;
-        let mut probs = vec![0f32; padded];
-        for (pos, score) in probs[..self.len].iter_mut().enumerate() {
-            self.slot(self.keys, pos).convert_to_f32_slice(&mut slot);
-            *score = dot(build, self.kind, &slot, &q16) * self.scale;
+        // tinyBLAS declines a head size that is not a whole number of registers; ggml then
+        // uses `ggml_vec_dot_f16`.
+        let kind = if self.head_dim.is_multiple_of(w) {
+            self.kind
+        } else {
+            DotKind::Vector
+        };
+        let mut key = vec![0f32; self.head_dim];
+        let mut scores = vec![0f32; self.len.div_ceil(w) * w];
+        for (pos, score) in scores[..self.len].iter_mut().enumerate() {
+            self.slot(self.keys, pos).convert_to_f32_slice(&mut key);
+            *score = dot(self.build, kind, &key, &q16) * self.scale;
         }
+        scores
+    }
+
+    /// Softmax over the first `len` scores, then each probability rounded to f16 (ggml
+    /// converts them to the cache's type for V·p).
+    #[inline(always)]
+    fn softmax_to_f16(&self, probs: &mut [f32]) {
+        let build = self.build;
         let max = probs[..self.len]
             .iter()
             .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
@@ -470,30 +507,37 @@ impl HeadAttention<'_> {
         }
         // Masked positions up to the next whole register are exp(-inf) = 0 in llama.cpp.
         let sum: f64 = probs
-            .chunks_exact(w)
+            .chunks_exact(build.lanes())
             .map(|chunk| build.hsum(chunk) as f64)
             .sum();
         let inv = (1.0 / sum) as f32;
         for p in &mut probs[..self.len] {
             *p = f16::from_f32(*p * inv).to_f32();
         }
-        // V·p: one dot product over positions per output value, in `kind`'s lanes, computed
-        // for all values at once (`acc[register][lane][value]`). llama.cpp runs it over its
-        // cache length, a multiple of 256; positions past `len` have zero probability and
-        // would leave every lane as it is (`acc + ±0 == acc`), so they are skipped.
+    }
+
+    /// `out[d] = V[·][d] · p`: one dot product over positions per output value, in `kind`'s
+    /// lanes, computed for all values at once (`acc[register][lane][value]`). llama.cpp runs
+    /// it over its cache length, a multiple of 256 (so of every register step); positions
+    /// past `len` have zero probability and would leave every lane as it is
+    /// (`acc + ±0 == acc`), so they are skipped.
+    #[inline(always)]
+    fn mix(&self, probs: &[f32], out: &mut [f32]) {
+        let (head_dim, build, w) = (self.head_dim, self.build, self.build.lanes());
         let registers = match self.kind {
             DotKind::Gemm => 1,
             DotKind::Vector => 4,
         };
         let mut acc = vec![0f32; registers * w * head_dim];
+        let mut value = vec![0f32; head_dim];
         for (pos, &p) in probs[..self.len].iter().enumerate() {
-            self.slot(self.values, pos).convert_to_f32_slice(&mut slot);
+            self.slot(self.values, pos).convert_to_f32_slice(&mut value);
             let register = match self.kind {
                 DotKind::Gemm => 0,
                 DotKind::Vector => (pos % (4 * w)) / w,
             };
             let row = &mut acc[(register * w + pos % w) * head_dim..][..head_dim];
-            for (a, &v) in row.iter_mut().zip(&slot) {
+            for (a, &v) in row.iter_mut().zip(&value) {
                 *a = v.mul_add(p, *a);
             }
         }
@@ -529,6 +573,11 @@ mod tests {
                 "expf({x}) = {ours}, libm {libm}"
             );
         }
+        // The polynomial, not libm: they part somewhere in this range.
+        assert!((-2000..2000).any(|i| {
+            let x = i as f32 * 0.011;
+            expf(x) != x.exp()
+        }));
         assert_eq!(expf(f32::NEG_INFINITY), 0.0);
         assert_eq!(expf(-200.0), 0.0);
         assert_eq!(expf(200.0), f32::INFINITY);
@@ -562,6 +611,42 @@ mod tests {
             let x = i as f32 * 0.011;
             expf(x) != expf_avx2(x)
         }));
+    }
+
+    /// A head size that is not a whole number of registers takes ggml's fallback dot
+    /// product for K·q instead of failing, on either build, prompt or decode.
+    #[test]
+    fn attention_takes_any_head_size() {
+        let head_dim = 24;
+        let page_size = 4;
+        let len = 7;
+        let keys_data: Vec<f16> = (0..8 * head_dim)
+            .map(|i| f16::from_f32((i % 13) as f32 * 0.1 - 0.6))
+            .collect();
+        let values_data: Vec<f16> = (0..8 * head_dim)
+            .map(|i| f16::from_f32((i % 7) as f32 * 0.2 - 0.5))
+            .collect();
+        let pages: Vec<&[f16]> = keys_data.chunks(page_size * head_dim).collect();
+        let value_pages: Vec<&[f16]> = values_data.chunks(page_size * head_dim).collect();
+        let q: Vec<f32> = (0..head_dim).map(|i| (i as f32 * 0.37).sin()).collect();
+        for build in [Build::Avx512, Build::Avx2] {
+            for kind in [DotKind::Gemm, DotKind::Vector] {
+                let attention = HeadAttention {
+                    keys: &pages,
+                    values: &value_pages,
+                    page_size,
+                    head_dim,
+                    len,
+                    scale: 0.2,
+                    kind,
+                    build,
+                };
+                let mut out = vec![0f32; head_dim];
+                attention.run(&q, &mut out);
+                // Each output is a convex mix of the values in -0.5..=0.7.
+                assert!(out.iter().all(|v| (-0.51..=0.71).contains(v)), "{out:?}");
+            }
+        }
     }
 
     #[test]

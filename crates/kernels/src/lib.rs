@@ -4,9 +4,11 @@
 //!
 //! Every kernel has a portable scalar version beside its AVX2/FMA/F16C version; the backend is
 //! chosen once at run time from the CPU's features ([`Backend::detect`]) and tests run the
-//! same checks over every backend the machine has.
+//! same checks over every backend the machine has. [`ggml_exact`] is apart: chosen only on
+//! request, it computes what llama.cpp computes rather than what `Scalar` does.
 //!
-//! This crate knows nothing about pages, tenants or models: it takes slices and returns numbers.
+//! This crate knows nothing about tenants, owners or models: it takes slices (K/V as lists of
+//! fixed-size chunks) and returns numbers.
 
 mod avx2;
 mod backend;

@@ -126,6 +126,7 @@ impl RopeTable {
     }
 
     /// `apply` with another rotation of one `(x0, x1)` pair by `(cos, sin)`.
+    #[inline]
     pub fn apply_with(&self, x: &mut [f32], pos: usize, rotate: impl Fn(&mut [f32], f32, f32)) {
         assert!(pos < self.positions, "position within the rope table");
         assert_eq!(x.len() % self.head_dim, 0, "a whole number of heads");

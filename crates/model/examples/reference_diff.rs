@@ -1,5 +1,6 @@
 //! Prints how far our first-step logits are from llama.cpp's on the reference prompts:
-//! `cargo run --release -p model --example reference_diff [-- scalar|avx2|avx512-vnni|ggml-exact]`;
+//! `cargo run --release -p model --example reference_diff [-- BACKEND]` (scalar, avx2,
+//! avx512-vnni, ggml-exact, ggml-exact-avx2);
 //! `AIRLOCK_REFERENCE_DIR=DIR` compares against another `make_reference.py --out DIR` run.
 
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
@@ -10,7 +11,7 @@ fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let backend = std::env::args().nth(1).map(|name| {
         kernels::Backend::from_name(&name)
-            .expect("a backend: scalar, avx2, avx512-vnni or ggml-exact")
+            .expect("a backend: scalar, avx2, avx512-vnni, ggml-exact or ggml-exact-avx2")
     });
     let options = LoadOptions {
         threads: 2,

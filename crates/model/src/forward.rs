@@ -232,9 +232,8 @@ impl Model {
         for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
             let (q, kv) = row.split_at_mut(c.dim);
             if self.exact().is_some() {
-                self.rope.apply_with(q, source.pos, ggml_exact::rotate_pair);
-                self.rope
-                    .apply_with(&mut kv[..c.kv_dim()], source.pos, ggml_exact::rotate_pair);
+                ggml_exact::rope(&self.rope, q, source.pos);
+                ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
             } else {
                 self.rope.apply(q, source.pos);
                 self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
@@ -288,14 +287,14 @@ impl Model {
         views: &[PageView],
         out: &mut [f32],
     ) {
+        if let Some(build) = self.exact() {
+            return self.attend_exact(build, layer, rows, qkv, views, out);
+        }
         let c = &self.config;
         let head_dim = c.head_dim;
         let qkv_width = c.dim + 2 * c.kv_dim();
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
-        if let Some(build) = self.exact() {
-            return self.attend_exact(build, layer, rows, qkv, views, out);
-        }
         self.workers
             .for_each_chunk_mut(out, head_dim, &|chunk, out| {
                 let (row, head) = (chunk / c.head_count, chunk % c.head_count);
@@ -320,8 +319,10 @@ impl Model {
             });
     }
 
-    /// `attend` in llama.cpp's arithmetic (`ggml_exact`): which f16 dot product it uses
-    /// depends, as in llama.cpp, on whether the step holds one token or more.
+    /// `attend` in llama.cpp's arithmetic (`ggml_exact`). Which f16 dot product llama.cpp
+    /// uses depends on whether its batch holds one token or more; each sequence is computed
+    /// as if evaluated alone (its own rows in this step decide), so a request's bits do not
+    /// depend on what it was batched with.
     fn attend_exact(
         &self,
         build: Build,
@@ -334,11 +335,10 @@ impl Model {
         let c = &self.config;
         let head_dim = c.head_dim;
         let qkv_width = c.dim + 2 * c.kv_dim();
-        let kind = if rows.len() >= 2 {
-            DotKind::Gemm
-        } else {
-            DotKind::Vector
-        };
+        let mut seq_rows = vec![0usize; views.len()];
+        for row in rows {
+            seq_rows[row.seq] += 1;
+        }
         self.workers
             .for_each_chunk_mut(out, head_dim, &|chunk, out| {
                 let (row, head) = (chunk / c.head_count, chunk % c.head_count);
@@ -361,7 +361,11 @@ impl Model {
                     head_dim,
                     len,
                     scale: 1.0 / (head_dim as f32).sqrt(),
-                    kind,
+                    kind: if seq_rows[source.seq] >= 2 {
+                        DotKind::Gemm
+                    } else {
+                        DotKind::Vector
+                    },
                     build,
                 };
                 let q = &qkv[row * qkv_width + head * head_dim..][..head_dim];

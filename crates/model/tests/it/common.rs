@@ -46,25 +46,23 @@ pub fn exact_model(backend: kernels::Backend) -> &'static Model {
 }
 
 fn load_with(backend: Option<kernels::Backend>) -> Fixture {
-    {
-        let path = model_path();
-        assert!(
-            path.is_file(),
-            "model file {} is missing: run scripts/fetch-model.sh from the workspace root \
-             (or point AIRLOCK_MODEL at the GGUF)",
-            path.display()
-        );
-        let options = LoadOptions {
-            threads: 2,
-            backend,
-        };
-        let loaded = Model::load(&path, &options, &mut |_| {})
-            .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
-        Fixture {
-            model: loaded.model,
-            tokenizer: loaded.tokenizer,
-            chat_template: loaded.chat_template,
-        }
+    let path = model_path();
+    assert!(
+        path.is_file(),
+        "model file {} is missing: run scripts/fetch-model.sh from the workspace root \
+         (or point AIRLOCK_MODEL at the GGUF)",
+        path.display()
+    );
+    let options = LoadOptions {
+        threads: 2,
+        backend,
+    };
+    let loaded = Model::load(&path, &options, &mut |_| {})
+        .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    Fixture {
+        model: loaded.model,
+        tokenizer: loaded.tokenizer,
+        chat_template: loaded.chat_template,
     }
 }
 

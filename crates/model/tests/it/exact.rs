@@ -143,6 +143,7 @@ fn ggml_exact_kernels_equal_llama_cpp_avx512_bit_for_bit_on_all_twelve_prompts()
 /// results differ from the AVX-512 build's on four of the six prompts.
 #[test]
 fn ggml_exact_avx2_kernels_equal_llama_cpp_avx2_bit_for_bit() {
+    assert_eq!(load("tests/data").len(), 6, "six prompts");
     let failures = compare(Backend::GgmlExactAvx2, &["tests/data"]);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -174,4 +175,56 @@ fn each_build_is_matched_only_by_its_own_emulation() {
     assert_ne!(emulated_avx2, avx512.first_logits_sha256);
     assert_ne!(fast, avx512.first_logits_sha256);
     assert_ne!(fast, avx2.first_logits_sha256);
+}
+
+/// A request's bits do not depend on what it is batched with: a decode step run beside
+/// another sequence's gives the logits the same step gives alone (llama.cpp's own choice of
+/// dot product follows its batch size, so each sequence is computed as if evaluated alone).
+#[test]
+fn ggml_exact_logits_do_not_depend_on_the_batch() {
+    let model = common::exact_model(Backend::GgmlExact);
+    let cases = load("tests/data/reference_avx512");
+    let (a, b) = (&cases[0].prompt_tokens, &cases[1].prompt_tokens);
+    let next = [cases[0].greedy_tokens[0]];
+    let other_next = [cases[1].greedy_tokens[0]];
+    let mut pool = common::pool(a.len() + b.len() + 4 * common::PAGE_SIZE);
+    let table_a = pool.allocate(common::owner(1, 1), a.len() + 1).unwrap();
+    let table_b = pool.allocate(common::owner(1, 2), b.len() + 1).unwrap();
+    let step = |table, tokens, start_pos| SeqStep {
+        table,
+        tokens,
+        start_pos,
+        want_logits: true,
+    };
+    model.forward(&mut pool, &[step(&table_a, a, 0)]).unwrap();
+    model.forward(&mut pool, &[step(&table_b, b, 0)]).unwrap();
+    let batched = model
+        .forward(
+            &mut pool,
+            &[
+                step(&table_a, &next, a.len()),
+                step(&table_b, &other_next, b.len()),
+            ],
+        )
+        .unwrap();
+    // The same decode step for `a` alone, over the same prompt KV (rewritten identically).
+    let mut alone_pool = common::pool(a.len() + 2 * common::PAGE_SIZE);
+    let alone_table = alone_pool
+        .allocate(common::owner(1, 3), a.len() + 1)
+        .unwrap();
+    let prompt = step(&alone_table, a, 0);
+    model.forward(&mut alone_pool, &[prompt]).unwrap();
+    let alone = model
+        .forward(&mut alone_pool, &[step(&alone_table, &next, a.len())])
+        .unwrap();
+    let bits = |v: &[f32]| logits_sha256(v);
+    assert_eq!(bits(&batched[0]), bits(&alone[0]));
+    for (pool, tables) in [
+        (&mut pool, vec![table_a, table_b]),
+        (&mut alone_pool, vec![alone_table]),
+    ] {
+        for table in tables {
+            pool.release(table).unwrap();
+        }
+    }
 }
