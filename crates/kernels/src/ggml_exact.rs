@@ -27,6 +27,7 @@
 //! paged engine does not reproduce (and does not need to).
 
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+use crate::ActBlock;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
@@ -309,37 +310,53 @@ pub(crate) fn q41_group_portable(group: &[Q41GroupBlock], job: GroupJob) {
     with_fma!(q41_group_body(group, job))
 }
 
+/// The loop both exact quant kernels share: for each of the group's 8 rows and each token,
+/// `block` folds one 32-column block into the row's eight lanes and its offset sum; the
+/// result is `hsum_float_8(lanes) + offset`, as ggml's AVX2 kernels end.
 #[inline(always)]
-fn q41_group_body(group: &[Q41GroupBlock], job: GroupJob) {
+fn group_dot_products<B>(
+    group: &[B],
+    job: GroupJob,
+    initial_offset: f32,
+    block: impl Fn(&B, usize, &ActBlock, &mut [f32; 8], &mut f32),
+) {
     let GroupJob {
         acts,
         tokens,
         out,
         stride,
     } = job;
-    for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
-        let start = (row / 2) * 32 + (row % 2) * 16;
+    for row in 0..GROUP_ROWS {
         for token in tokens.clone() {
-            let mut acc = [0f32; 8];
-            let mut summs = 0f32;
+            let (mut acc, mut offset) = ([0f32; 8], initial_offset);
             for (w, a) in group.iter().zip(acts.row(token)) {
-                let nibbles = &w.qs[start..start + 16];
-                let nibble = |e: usize| {
-                    if e < 16 {
-                        (nibbles[e] & 0x0F) as i32
-                    } else {
-                        (nibbles[e - 16] >> 4) as i32
-                    }
-                };
-                summs = f16_to_f32(w.m[lane]).mul_add(a.s, summs);
-                let d = f16_to_f32(w.d[lane]) * a.d;
-                for (acc, sum) in acc.iter_mut().zip(lane_sums(nibble, &a.qs)) {
-                    *acc = d.mul_add(sum, *acc);
-                }
+                block(w, row, a, &mut acc, &mut offset);
             }
-            out[row * stride + token] = hsum_float_8(&acc) + summs;
+            out[row * stride + token] = hsum_float_8(&acc) + offset;
         }
     }
+}
+
+#[inline(always)]
+fn q41_group_body(group: &[Q41GroupBlock], job: GroupJob) {
+    // ggml's `summs` starts at 0.
+    group_dot_products(group, job, 0.0, |w, row, a, acc, summs| {
+        let lane = crate::scalar::q41_lane(row);
+        let start = (row / 2) * 32 + (row % 2) * 16;
+        let nibbles = &w.qs[start..start + 16];
+        let nibble = |e: usize| {
+            if e < 16 {
+                (nibbles[e] & 0x0F) as i32
+            } else {
+                (nibbles[e - 16] >> 4) as i32
+            }
+        };
+        *summs = f16_to_f32(w.m[lane]).mul_add(a.s, *summs);
+        let d = f16_to_f32(w.d[lane]) * a.d;
+        for (acc, sum) in acc.iter_mut().zip(lane_sums(nibble, &a.qs)) {
+            *acc = d.mul_add(sum, *acc);
+        }
+    })
 }
 
 /// Q8_0 weights × Q8_0 activations, 8 rows × the job's tokens.
@@ -349,25 +366,14 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], job: GroupJob) {
 
 #[inline(always)]
 fn q80_group_body(group: &[Q80GroupBlock], job: GroupJob) {
-    let GroupJob {
-        acts,
-        tokens,
-        out,
-        stride,
-    } = job;
-    for row in 0..GROUP_ROWS {
-        for token in tokens.clone() {
-            let mut acc = [0f32; 8];
-            for (w, a) in group.iter().zip(acts.row(token)) {
-                let weights = &w.qs[row * 32..(row + 1) * 32];
-                let d = f16_to_f32(w.d[row]) * a.d;
-                for (acc, sum) in acc.iter_mut().zip(lane_sums(|e| weights[e] as i32, &a.qs)) {
-                    *acc = d.mul_add(sum, *acc);
-                }
-            }
-            out[row * stride + token] = hsum_float_8(&acc);
+    // No offset term: -0.0 is the one value whose addition changes no float, not even ±0.
+    group_dot_products(group, job, -0.0, |w, row, a, acc, _| {
+        let weights = &w.qs[row * 32..(row + 1) * 32];
+        let d = f16_to_f32(w.d[row]) * a.d;
+        for (acc, sum) in acc.iter_mut().zip(lane_sums(|e| weights[e] as i32, &a.qs)) {
+            *acc = d.mul_add(sum, *acc);
         }
-    }
+    })
 }
 
 /// Which f16 dot product llama.cpp uses for attention: tinyBLAS when the batch holds two or
@@ -563,8 +569,8 @@ impl HeadAttention<'_> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn expf_is_close_to_libm_and_saturates_like_ggml() {
+    /// `expf` within 4 ulp of libm's over -86..86 (the normal range of results).
+    fn assert_close_to_libm(expf: fn(f32) -> f32) {
         for i in -2000..=2000 {
             let x = i as f32 * 0.043;
             let (ours, libm) = (expf(x), x.exp());
@@ -573,6 +579,11 @@ mod tests {
                 "expf({x}) = {ours}, libm {libm}"
             );
         }
+    }
+
+    #[test]
+    fn expf_is_close_to_libm_and_saturates_like_ggml() {
+        assert_close_to_libm(expf);
         // The polynomial, not libm: they part somewhere in this range.
         assert!((-2000..2000).any(|i| {
             let x = i as f32 * 0.011;
@@ -586,14 +597,7 @@ mod tests {
 
     #[test]
     fn avx2_expf_is_close_to_libm_including_its_two_step_scaling() {
-        for i in -2000..=2000 {
-            let x = i as f32 * 0.043;
-            let (ours, libm) = (expf_avx2(x), x.exp());
-            assert!(
-                ((ours - libm) / libm).abs() < 4.0 * f32::EPSILON,
-                "expf_avx2({x}) = {ours}, libm {libm}"
-            );
-        }
+        assert_close_to_libm(expf_avx2);
         // 126 < |n| <= 192: the scaled path; below 2^-126 the results are subnormal.
         for x in [-88.5f32, -90.0, -95.0, 88.5] {
             let (ours, libm) = (expf_avx2(x), x.exp());

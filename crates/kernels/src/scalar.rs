@@ -8,7 +8,7 @@ fn f16_to_f32(bits: u16) -> f32 {
 }
 
 /// Where row `row` of a group sits among the Q4_1 scale lanes.
-fn q41_lane(row: usize) -> usize {
+pub(crate) fn q41_lane(row: usize) -> usize {
     Q41_LANE_ROW
         .iter()
         .position(|&r| r == row)

@@ -27,6 +27,15 @@ struct RowSource {
     pos: usize,
 }
 
+/// One (row, query head) of an attention step: where the row comes from, its sequence's
+/// pages, the K/V head its query head reads, and the query.
+struct HeadTask<'a> {
+    source: RowSource,
+    view: &'a PageView<'a>,
+    kv_head: usize,
+    q: &'a [f32],
+}
+
 /// Per-step activation buffers, `rows × width` each.
 struct Buffers {
     x: Vec<f32>,
@@ -290,33 +299,25 @@ impl Model {
         if let Some(build) = self.exact() {
             return self.attend_exact(build, layer, rows, qkv, views, out);
         }
-        let c = &self.config;
-        let head_dim = c.head_dim;
-        let qkv_width = c.dim + 2 * c.kv_dim();
+        let head_dim = self.config.head_dim;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let backend = self.backend;
-        self.workers
-            .for_each_chunk_mut(out, head_dim, &|chunk, out| {
-                let (row, head) = (chunk / c.head_count, chunk % c.head_count);
-                let kv_head = head / c.group_size();
-                let source = rows[row];
-                let view = &views[source.seq];
-                let page_size = view.layout().page_size_tokens;
-                let mut scores = vec![0f32; source.pos + 1];
-                // The reference multiplies Q against the f16 cache in f16: round Q the same way.
-                let q_src = &qkv[row * qkv_width + head * head_dim..][..head_dim];
-                let q: Vec<f32> = q_src.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-                for (page, scores) in scores.chunks_mut(page_size).enumerate() {
-                    let keys = view.head(page, layer, KvKind::Key, kv_head);
-                    attention_scores_f16(backend, &q, keys, scale, scores);
-                }
-                softmax_in_place(&mut scores);
-                out.fill(0.0);
-                for (page, weights) in scores.chunks(page_size).enumerate() {
-                    let values = view.head(page, layer, KvKind::Value, kv_head);
-                    attention_mix_f16(backend, weights, values, out);
-                }
-            });
+        self.for_each_head(rows, qkv, views, out, &|task, out| {
+            let page_size = task.view.layout().page_size_tokens;
+            let mut scores = vec![0f32; task.source.pos + 1];
+            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+            let q: Vec<f32> = task.q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+            for (page, scores) in scores.chunks_mut(page_size).enumerate() {
+                let keys = task.view.head(page, layer, KvKind::Key, task.kv_head);
+                attention_scores_f16(backend, &q, keys, scale, scores);
+            }
+            softmax_in_place(&mut scores);
+            out.fill(0.0);
+            for (page, weights) in scores.chunks(page_size).enumerate() {
+                let values = task.view.head(page, layer, KvKind::Value, task.kv_head);
+                attention_mix_f16(backend, weights, values, out);
+            }
+        });
     }
 
     /// `attend` in llama.cpp's arithmetic (`ggml_exact`). Which f16 dot product llama.cpp
@@ -332,44 +333,63 @@ impl Model {
         views: &[PageView],
         out: &mut [f32],
     ) {
-        let c = &self.config;
-        let head_dim = c.head_dim;
-        let qkv_width = c.dim + 2 * c.kv_dim();
+        let head_dim = self.config.head_dim;
         let mut seq_rows = vec![0usize; views.len()];
         for row in rows {
             seq_rows[row.seq] += 1;
         }
+        self.for_each_head(rows, qkv, views, out, &|task, out| {
+            let page_size = task.view.layout().page_size_tokens;
+            let len = task.source.pos + 1;
+            let pages = 0..len.div_ceil(page_size);
+            let head = |kind| -> Vec<&[f16]> {
+                pages
+                    .clone()
+                    .map(|p| task.view.head(p, layer, kind, task.kv_head))
+                    .collect()
+            };
+            let (keys, values) = (head(KvKind::Key), head(KvKind::Value));
+            let attention = HeadAttention {
+                keys: &keys,
+                values: &values,
+                page_size,
+                head_dim,
+                len,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+                kind: if seq_rows[task.source.seq] >= 2 {
+                    DotKind::Gemm
+                } else {
+                    DotKind::Vector
+                },
+                build,
+            };
+            attention.run(task.q, out);
+        });
+    }
+
+    /// Runs `attend_head` once per (row, query head), spread over the workers, with that
+    /// head's output slot (`head_dim` values of `out`).
+    fn for_each_head(
+        &self,
+        rows: &[RowSource],
+        qkv: &[f32],
+        views: &[PageView],
+        out: &mut [f32],
+        attend_head: &(dyn Fn(HeadTask, &mut [f32]) + Sync),
+    ) {
+        let c = &self.config;
+        let qkv_width = c.dim + 2 * c.kv_dim();
         self.workers
-            .for_each_chunk_mut(out, head_dim, &|chunk, out| {
+            .for_each_chunk_mut(out, c.head_dim, &|chunk, out| {
                 let (row, head) = (chunk / c.head_count, chunk % c.head_count);
-                let kv_head = head / c.group_size();
                 let source = rows[row];
-                let view = &views[source.seq];
-                let page_size = view.layout().page_size_tokens;
-                let len = source.pos + 1;
-                let pages = len.div_ceil(page_size);
-                let keys: Vec<&[f16]> = (0..pages)
-                    .map(|p| view.head(p, layer, KvKind::Key, kv_head))
-                    .collect();
-                let values: Vec<&[f16]> = (0..pages)
-                    .map(|p| view.head(p, layer, KvKind::Value, kv_head))
-                    .collect();
-                let attention = HeadAttention {
-                    keys: &keys,
-                    values: &values,
-                    page_size,
-                    head_dim,
-                    len,
-                    scale: 1.0 / (head_dim as f32).sqrt(),
-                    kind: if seq_rows[source.seq] >= 2 {
-                        DotKind::Gemm
-                    } else {
-                        DotKind::Vector
-                    },
-                    build,
+                let task = HeadTask {
+                    source,
+                    view: &views[source.seq],
+                    kv_head: head / c.group_size(),
+                    q: &qkv[row * qkv_width + head * c.head_dim..][..c.head_dim],
                 };
-                let q = &qkv[row * qkv_width + head * head_dim..][..head_dim];
-                attention.run(q, out);
+                attend_head(task, out);
             });
     }
 
