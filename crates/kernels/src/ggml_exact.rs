@@ -27,6 +27,7 @@
 //! paged engine does not reproduce (and does not need to).
 
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+use crate::scalar::{f16_to_f32, q41_lane, q41_row_nibbles};
 use crate::ActBlock;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -108,11 +109,6 @@ impl Build {
             Build::Avx2 => expf_avx2(x),
         }
     }
-}
-
-#[inline(always)]
-fn f16_to_f32(bits: u16) -> f32 {
-    f16::from_bits(bits).to_f32()
 }
 
 /// `_mm512_reduce_add_ps` as GCC defines it: halves, then quarters, then pairs.
@@ -274,14 +270,13 @@ unsafe fn q41_group_avx2(group: &[Q41GroupBlock], job: GroupJob) {
     let low_nibbles = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
-        let start = (row / 2) * 32 + (row % 2) * 16;
         for token in tokens.clone() {
             let mut acc = _mm256_setzero_ps();
             let mut summs = 0f32;
             for (w, a) in group.iter().zip(acts.row(token)) {
                 summs = f16_to_f32(w.m[lane]).mul_add(a.s, summs);
                 let d = _mm256_set1_ps(f16_to_f32(w.d[lane]) * a.d);
-                let nibbles = &w.qs[start..start + 16];
+                let nibbles = q41_row_nibbles(w, row);
                 // SAFETY: `nibbles` is 16 bytes and `a.qs` 32: one unaligned load each.
                 let (packed, qy) = unsafe {
                     (
@@ -339,11 +334,11 @@ fn group_dot_products<B>(
 
 #[inline(always)]
 fn q41_group_body(group: &[Q41GroupBlock], job: GroupJob) {
+    let lanes: [usize; GROUP_ROWS] = std::array::from_fn(q41_lane);
     // ggml's `summs` starts at 0.
     group_dot_products(group, job, 0.0, |w, row, a, acc, summs| {
-        let lane = crate::scalar::q41_lane(row);
-        let start = (row / 2) * 32 + (row % 2) * 16;
-        let nibbles = &w.qs[start..start + 16];
+        let lane = lanes[row];
+        let nibbles = q41_row_nibbles(w, row);
         let nibble = |e: usize| {
             if e < 16 {
                 (nibbles[e] & 0x0F) as i32

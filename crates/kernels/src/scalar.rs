@@ -3,7 +3,8 @@
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
 use half::f16;
 
-fn f16_to_f32(bits: u16) -> f32 {
+#[inline(always)]
+pub(crate) fn f16_to_f32(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()
 }
 
@@ -15,7 +16,8 @@ pub(crate) fn q41_lane(row: usize) -> usize {
         .expect("every row of a group has a lane")
 }
 
-fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
+#[inline(always)]
+pub(crate) fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
     let start = (row / 2) * 32 + (row % 2) * 16;
     &block.qs[start..start + 16]
 }

@@ -334,6 +334,7 @@ impl Model {
         out: &mut [f32],
     ) {
         let head_dim = self.config.head_dim;
+        let scale = 1.0 / (head_dim as f32).sqrt();
         let mut seq_rows = vec![0usize; views.len()];
         for row in rows {
             seq_rows[row.seq] += 1;
@@ -355,7 +356,7 @@ impl Model {
                 page_size,
                 head_dim,
                 len,
-                scale: 1.0 / (head_dim as f32).sqrt(),
+                scale,
                 kind: if seq_rows[task.source.seq] >= 2 {
                     DotKind::Gemm
                 } else {
