@@ -1,5 +1,5 @@
 //! Micro-benchmark of one quantized matmul: `cargo run --release -p kernels --example
-//! matmul_speed -- ROWS COLS TOKENS` prints GMAC/s per backend (one thread).
+//! matmul_speed -- ROWS COLS TOKENS [COPIES]` prints GMAC/s per backend (one thread).
 
 use kernels::{quantize_acts, Backend, QuantActs, QuantMatrix, WeightFormat};
 use std::time::Instant;
@@ -14,12 +14,17 @@ fn main() {
         args.get(1).copied().unwrap_or(576),
         args.get(2).copied().unwrap_or(1),
     );
+    // COPIES (4th argument): distinct copies of the matrix, cycled, so a set larger than the
+    // last-level cache streams from memory as a model's layers do.
+    let copies = args.get(3).copied().unwrap_or(1).max(1);
     let workers = kernels::Workers::new(1);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let bytes: Vec<u8> = (0..rows * cols / 32 * format.block_bytes())
             .map(|i| (i * 7 % 251) as u8 & 0x3f)
             .collect();
-        let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).expect("valid shape");
+        let matrices: Vec<QuantMatrix> = (0..copies)
+            .map(|_| QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).expect("valid shape"))
+            .collect();
         let x: Vec<f32> = (0..tokens * cols)
             .map(|i| ((i * 13) % 17) as f32 - 8.0)
             .collect();
@@ -29,8 +34,8 @@ fn main() {
         for backend in Backend::available() {
             let reps = (2e9 / (rows * cols * tokens) as f64).max(3.0) as usize;
             let started = Instant::now();
-            for _ in 0..reps {
-                matrix.matmul(backend, &workers, &acts, &mut out)
+            for rep in 0..reps {
+                matrices[rep % copies].matmul(backend, &workers, &acts, &mut out)
             }
             let secs = started.elapsed().as_secs_f64();
             println!(

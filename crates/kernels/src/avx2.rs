@@ -2,7 +2,8 @@
 //! the CPU's features (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock};
+use crate::attention::KvHeadAttention;
+use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
 use crate::scalar;
 use half::f16;
 
@@ -11,12 +12,12 @@ fn cpu_ok() -> bool {
 }
 
 pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
-    check_job(group.len(), &job);
+    job.check(group.len(), GROUP_ROWS);
     #[cfg(target_arch = "x86_64")]
     if cpu_ok() {
         let mut token = job.tokens.start;
         while token + 4 <= job.tokens.end {
-            // SAFETY: the CPU has avx2, fma and f16c; `check_job` bounded tokens and output.
+            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded tokens and output.
             unsafe { x86::q41_tokens::<4>(group, &mut job, token) };
             token += 4;
         }
@@ -30,39 +31,16 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
 }
 
 pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
-    check_job(group.len(), &job);
+    job.check(group.len(), GROUP_ROWS);
     #[cfg(target_arch = "x86_64")]
     if cpu_ok() {
         for token in job.tokens.clone() {
-            // SAFETY: the CPU has avx2, fma and f16c; `check_job` bounded tokens and output.
+            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded tokens and output.
             unsafe { x86::q80_token(group, &mut job, token) };
         }
         return;
     }
     scalar::q80_group(group, job)
-}
-
-/// The bounds the SIMD kernels rely on: one activation block per weight block, tokens within
-/// the activations, and an output of 8 rows × `stride`.
-pub(crate) fn check_job(blocks: usize, job: &GroupJob) {
-    assert_eq!(
-        job.acts.cols() / crate::BLOCK,
-        blocks,
-        "one activation block per weight block"
-    );
-    assert!(
-        job.tokens.end <= job.acts.rows(),
-        "tokens within the activations"
-    );
-    assert!(
-        job.tokens.end <= job.stride,
-        "tokens within the output stride"
-    );
-    assert_eq!(
-        job.out.len(),
-        crate::matrix::GROUP_ROWS * job.stride,
-        "output holds 8 rows"
-    );
 }
 
 pub(crate) fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
@@ -99,14 +77,73 @@ pub(crate) fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
     }
 }
 
+/// Whether `attend_kv_head` takes a head of `head_dim` values on this CPU (whole registers).
+pub(crate) fn attention_fits(head_dim: usize) -> bool {
+    cpu_ok() && head_dim.is_multiple_of(8)
+}
+
+/// Query heads per scores/mix pass: their accumulators fill the 16 registers.
+const HEADS_PER_PASS: usize = 3;
+
+thread_local! {
+    /// `attend_kv_head`'s rounded queries and scores, reused across calls on this thread.
+    static ATTENTION_SCRATCH: std::cell::RefCell<Vec<f32>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`KvHeadAttention::run`] in AVX2 for a `head_dim` that `attention_fits`.
+pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [f32]) {
+    assert!(attention_fits(att.head_dim), "a head of whole registers");
+    let (head_dim, len) = (att.head_dim, att.len);
+    let heads = queries.len() / head_dim;
+    ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
+        scratch.clear();
+        scratch.resize(heads * (head_dim + len), 0.0);
+        let (q16, probs) = scratch.split_at_mut(heads * head_dim);
+        // SAFETY (every call below): the CPU has avx2, fma and f16c (`attention_fits`);
+        // `KvHeadAttention::run` checked that the pages hold `len` positions of `head_dim`
+        // values; `q16`, `probs` and `out` hold `heads` heads of `head_dim` and `len` values.
+        unsafe { x86::round_through_f16_slice(queries, q16) };
+        let passes = q16
+            .chunks(HEADS_PER_PASS * head_dim)
+            .zip(probs.chunks_mut(HEADS_PER_PASS * len));
+        for (q, probs) in passes {
+            unsafe {
+                match q.len() / head_dim {
+                    3 => x86::scores::<3>(att, q, probs),
+                    2 => x86::scores::<2>(att, q, probs),
+                    _ => x86::scores::<1>(att, q, probs),
+                }
+            }
+        }
+        for probs in probs.chunks_exact_mut(len) {
+            unsafe { x86::softmax_to_f16(probs) };
+        }
+        let passes = probs
+            .chunks(HEADS_PER_PASS * len)
+            .zip(out.chunks_mut(HEADS_PER_PASS * head_dim));
+        for (probs, out) in passes {
+            unsafe {
+                match probs.len() / len {
+                    3 => x86::mix::<3>(att, probs, out),
+                    2 => x86::mix::<2>(att, probs, out),
+                    _ => x86::mix::<1>(att, probs, out),
+                }
+            }
+        }
+    });
+}
+
 // Inside these functions nearly every line is an intrinsic; the safety contract is the
 // function's (`# Safety`), so the bodies are not split into per-line unsafe blocks.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
+    use crate::attention::KvHeadAttention;
     use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
     use half::f16;
     use std::arch::x86_64::*;
+    use std::mem::size_of;
 
     // All loads below are unaligned loads (`loadu`) of exactly the bytes of a fixed-size array
     // field, so every pointer is in bounds for the width read.
@@ -115,7 +152,7 @@ mod x86 {
     /// across the N tokens.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c, and `job` passed `check_job` with
+    /// The CPU must support avx2, fma and f16c, and `job` passed `GroupJob::check` with
     /// `first + N <= job.tokens.end`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q41_tokens<const N: usize>(
@@ -167,7 +204,7 @@ mod x86 {
             let mut lanes = [0f32; GROUP_ROWS];
             _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
             for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
-                job.out[row * job.stride + first + n] = lanes[lane];
+                job.put(first + n, row, lanes[lane]);
             }
         }
     }
@@ -175,7 +212,7 @@ mod x86 {
     /// 8 rows × one token of one row group.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c, and `job` passed `check_job` with `token`
+    /// The CPU must support avx2, fma and f16c, and `job` passed `GroupJob::check` with `token`
     /// in `job.tokens`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q80_token(group: &[Q80GroupBlock], job: &mut GroupJob, token: usize) {
@@ -213,9 +250,7 @@ mod x86 {
         }
         let mut lanes = [0f32; GROUP_ROWS];
         _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        for (row, value) in lanes.iter().enumerate() {
-            job.out[row * job.stride + token] = *value;
-        }
+        job.token_rows(token).copy_from_slice(&lanes);
     }
 
     /// # Safety
@@ -347,5 +382,182 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    /// Rounds each value of `x` to f16 and back into `out` (as long as `x`).
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `out.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn round_through_f16_slice(x: &[f32], out: &mut [f32]) {
+        let whole = x.len() / 8 * 8;
+        for i in (0..whole).step_by(8) {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), r);
+        }
+        for i in whole..x.len() {
+            out[i] = round_through_f16(x[i]);
+        }
+    }
+
+    /// Pages whose K (or V) slots are requested ahead of their use. Pages are scattered and
+    /// one head's slots of a page are only `page_size × head_dim` values, too short a run for
+    /// the hardware prefetcher to pick up before it ends.
+    const PAGES_AHEAD: usize = 4;
+
+    /// Asks for the cache lines of `page`'s slots below `len` in `pages`, if there is such a
+    /// page (positions past `len` are never touched, not even by a prefetch).
+    #[inline(always)]
+    unsafe fn prefetch_page(att: &KvHeadAttention, pages: &[&[f16]], page: usize) {
+        let first = page * att.page_size;
+        if first >= att.len || page >= pages.len() {
+            return;
+        }
+        let bytes = (att.len - first).min(att.page_size) * att.head_dim * size_of::<f16>();
+        let start = pages[page].as_ptr() as *const i8;
+        for offset in (0..bytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset));
+        }
+    }
+
+    /// `probs[g * len + pos] = scale · (q_g · key_pos)` for the G heads of `q`.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c; `att` passed `KvHeadAttention::check` with
+    /// `head_dim` a multiple of 8; `q` holds G heads and `probs` G × `len` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores<const G: usize>(
+        att: &KvHeadAttention,
+        q: &[f32],
+        probs: &mut [f32],
+    ) {
+        let (hd, len) = (att.head_dim, att.len);
+        assert!(q.len() == G * hd && probs.len() == G * len, "G heads");
+        let scale = _mm_set1_ps(att.scale);
+        let q = q.as_ptr();
+        let pages = len.div_ceil(att.page_size);
+        for page in 0..PAGES_AHEAD.min(pages) {
+            prefetch_page(att, att.keys, page);
+            // The first values too, for `mix` after the softmax.
+            prefetch_page(att, att.values, page);
+        }
+        for (page, keys) in att.keys.iter().enumerate().take(pages) {
+            prefetch_page(att, att.keys, page + PAGES_AHEAD);
+            let first = page * att.page_size;
+            let slots = (len - first).min(att.page_size);
+            let keys = keys.as_ptr();
+            let mut i = 0;
+            // Four keys per pass: each key chunk is widened once for the G heads, and one
+            // reduction tree finishes four dot products per head.
+            while i + 4 <= slots {
+                let mut acc = [[_mm256_setzero_ps(); 4]; G];
+                for c in (0..hd).step_by(8) {
+                    for k in 0..4 {
+                        let key = keys.add((i + k) * hd + c) as *const __m128i;
+                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(key));
+                        for (g, acc) in acc.iter_mut().enumerate() {
+                            let qv = _mm256_loadu_ps(q.add(g * hd + c));
+                            acc[k] = _mm256_fmadd_ps(qv, kv, acc[k]);
+                        }
+                    }
+                }
+                for (g, acc) in acc.iter().enumerate() {
+                    let h = _mm256_hadd_ps(
+                        _mm256_hadd_ps(acc[0], acc[1]),
+                        _mm256_hadd_ps(acc[2], acc[3]),
+                    );
+                    let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+                    let dst = probs.as_mut_ptr().add(g * len + first + i);
+                    _mm_storeu_ps(dst, _mm_mul_ps(sums, scale));
+                }
+                i += 4;
+            }
+            while i < slots {
+                let mut acc = [_mm256_setzero_ps(); G];
+                for c in (0..hd).step_by(8) {
+                    let key = keys.add(i * hd + c) as *const __m128i;
+                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(key));
+                    for (g, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(g * hd + c)), kv, *acc);
+                    }
+                }
+                for (g, acc) in acc.iter().enumerate() {
+                    probs[g * len + first + i] = hsum(*acc) * att.scale;
+                }
+                i += 1;
+            }
+        }
+    }
+
+    /// `ops::softmax_in_place` (libm's `expf`, an f64 sum: the same bits), then each
+    /// probability rounded to f16 as the reference multiplies them by V in f16.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn softmax_to_f16(p: &mut [f32]) {
+        crate::ops::softmax_in_place(p);
+        let whole = p.len() / 8 * 8;
+        let ptr = p.as_mut_ptr();
+        for i in (0..whole).step_by(8) {
+            let v = _mm256_loadu_ps(ptr.add(i));
+            let r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+            _mm256_storeu_ps(ptr.add(i), r);
+        }
+        for v in &mut p[whole..] {
+            *v = round_through_f16(*v);
+        }
+    }
+
+    /// `out[g] = Σ_pos probs[g * len + pos] · value_pos` for the G heads of `out`, 32 values
+    /// of each head per pass so the sums stay in registers. Each output value is one chain
+    /// of FMAs in position order, whatever G is.
+    ///
+    /// # Safety
+    /// As `scores`, with `probs` G × `len` values and `out` G heads.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mix<const G: usize>(
+        att: &KvHeadAttention,
+        probs: &[f32],
+        out: &mut [f32],
+    ) {
+        let (hd, len) = (att.head_dim, att.len);
+        assert!(out.len() == G * hd && probs.len() == G * len, "G heads");
+        for part in (0..hd).step_by(32) {
+            let chunks = ((hd - part) / 8).min(4);
+            let mut acc = [[_mm256_setzero_ps(); 4]; G];
+            for (page, values) in att
+                .values
+                .iter()
+                .enumerate()
+                .take(len.div_ceil(att.page_size))
+            {
+                if part == 0 {
+                    prefetch_page(att, att.values, page + PAGES_AHEAD);
+                }
+                let first = page * att.page_size;
+                let slots = (len - first).min(att.page_size);
+                for slot in 0..slots {
+                    let value = values.as_ptr().add(slot * hd + part);
+                    let mut w = [_mm256_setzero_ps(); G];
+                    for (g, w) in w.iter_mut().enumerate() {
+                        *w = _mm256_set1_ps(*probs.get_unchecked(g * len + first + slot));
+                    }
+                    for c in 0..chunks {
+                        let v =
+                            _mm256_cvtph_ps(_mm_loadu_si128(value.add(8 * c) as *const __m128i));
+                        for (acc, w) in acc.iter_mut().zip(&w) {
+                            acc[c] = _mm256_fmadd_ps(*w, v, acc[c]);
+                        }
+                    }
+                }
+            }
+            for (g, acc) in acc.iter().enumerate() {
+                for (c, acc) in acc.iter().enumerate().take(chunks) {
+                    _mm256_storeu_ps(out.as_mut_ptr().add(g * hd + part + 8 * c), *acc);
+                }
+            }
+        }
     }
 }

@@ -5,7 +5,7 @@ pub enum Backend {
     Scalar,
     /// x86-64 with AVX2, FMA and F16C.
     Avx2,
-    /// AVX2 plus AVX-512 VNNI on 256-bit registers (AVX512VL): the quantized matmuls use
+    /// AVX2 plus AVX-512 (F, BW, VL, VNNI): the quantized matmuls of batches use
     /// `vpdpbusd` and keep each row's sum in its own lane, so no reduction tree is needed; every
     /// other kernel is the AVX2 one. Computes bit for bit what `Avx2` computes.
     Avx512Vnni,
@@ -105,12 +105,13 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// `has_avx2` plus what the VNNI matmuls use: `vpdpbusd` on 256-bit registers.
+/// `has_avx2` plus what the VNNI matmuls use: `vpdpbusd` and byte ops on 512-bit registers.
 pub(crate) fn has_avx512_vnni() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         has_avx2()
             && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512vnni")
     }

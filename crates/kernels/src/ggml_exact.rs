@@ -259,14 +259,10 @@ const _: () = assert!(crate::BLOCK == 32);
 /// The CPU must support avx2, fma and f16c.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q41_group_avx2(group: &[Q41GroupBlock], job: GroupJob) {
+unsafe fn q41_group_avx2(group: &[Q41GroupBlock], mut job: GroupJob) {
     use std::arch::x86_64::*;
-    let GroupJob {
-        acts,
-        tokens,
-        out,
-        stride,
-    } = job;
+    job.check(group.len(), GROUP_ROWS);
+    let (acts, tokens) = (job.acts, job.tokens.clone());
     let low_nibbles = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
@@ -295,7 +291,7 @@ unsafe fn q41_group_avx2(group: &[Q41GroupBlock], job: GroupJob) {
             let mut lanes = [0f32; 8];
             // SAFETY: `lanes` holds exactly 8 floats.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-            out[row * stride + token] = hsum_float_8(&lanes) + summs;
+            job.put(token, row, hsum_float_8(&lanes) + summs);
         }
     }
 }
@@ -311,23 +307,19 @@ pub(crate) fn q41_group_portable(group: &[Q41GroupBlock], job: GroupJob) {
 #[inline(always)]
 fn group_dot_products<B>(
     group: &[B],
-    job: GroupJob,
+    mut job: GroupJob,
     initial_offset: f32,
     block: impl Fn(&B, usize, &ActBlock, &mut [f32; 8], &mut f32),
 ) {
-    let GroupJob {
-        acts,
-        tokens,
-        out,
-        stride,
-    } = job;
+    job.check(group.len(), GROUP_ROWS);
+    let (acts, tokens) = (job.acts, job.tokens.clone());
     for row in 0..GROUP_ROWS {
         for token in tokens.clone() {
             let (mut acc, mut offset) = ([0f32; 8], initial_offset);
             for (w, a) in group.iter().zip(acts.row(token)) {
                 block(w, row, a, &mut acc, &mut offset);
             }
-            out[row * stride + token] = hsum_float_8(&acc) + offset;
+            job.put(token, row, hsum_float_8(&acc) + offset);
         }
     }
 }

@@ -10,6 +10,7 @@
 //! This crate knows nothing about tenants, owners or models: it takes slices (K/V as lists of
 //! fixed-size chunks) and returns numbers.
 
+mod attention;
 mod avx2;
 mod backend;
 pub mod ggml_exact;
@@ -20,6 +21,7 @@ mod scalar;
 mod vnni;
 mod workers;
 
+pub use attention::KvHeadAttention;
 pub use backend::Backend;
 pub use matrix::{QuantMatrix, WeightFormat};
 pub use ops::{

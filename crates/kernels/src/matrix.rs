@@ -7,6 +7,7 @@
 //! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
 
 use crate::{avx2, ggml_exact, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
+use std::ops::Range;
 
 /// Rows per group: one AVX2 register of f32 results.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -205,89 +206,185 @@ impl QuantMatrix {
         if tokens == 0 {
             return;
         }
-        if tokens == 1 {
-            self.matmul_transposed(backend, workers, acts, out);
-            return;
-        }
-        // Each task writes whole rows for every token: compute transposed, then turn around.
-        // The scratch is kept per thread: a fresh allocation of this size each step costs
-        // page faults (megabytes for the output projection).
-        TRANSPOSED.with_borrow_mut(|transposed| {
-            transposed.clear();
-            transposed.resize(out.len(), 0.0);
-            self.matmul_transposed(backend, workers, acts, transposed);
-            // Eight rows at a time, so each token's writes land in one cache line.
-            for (group, values) in transposed.chunks_exact(GROUP_ROWS * tokens).enumerate() {
-                for token in 0..tokens {
-                    let dst = &mut out[token * self.rows + group * GROUP_ROWS..][..GROUP_ROWS];
-                    for (r, d) in dst.iter_mut().enumerate() {
-                        *d = values[r * tokens + token];
-                    }
-                }
-            }
-        });
-    }
-
-    /// `out[r * tokens + t] = W[r] · acts[t]`.
-    fn matmul_transposed(
-        &self,
-        backend: Backend,
-        workers: &Workers,
-        acts: &QuantActs,
-        out: &mut [f32],
-    ) {
-        let tokens = acts.rows();
-        let blocks_per_row = self.cols / BLOCK;
         let group_count = self.rows / GROUP_ROWS;
         let tasks_wanted = workers.threads() * 4;
-        let groups_per_task = group_count.div_ceil(tasks_wanted).max(1);
-        let group_floats = GROUP_ROWS * tokens;
-        workers.for_each_chunk_mut(out, groups_per_task * group_floats, &|task, out| {
+        // An even count, so the VNNI kernels' pairs of groups never straddle two tasks.
+        let groups_per_task = group_count
+            .div_ceil(tasks_wanted)
+            .max(1)
+            .next_multiple_of(2);
+        let rows_per_task = groups_per_task * GROUP_ROWS;
+        // Each task's rows of every token: the kernels write results where they belong, so
+        // no transposed copy is needed.
+        let mut task_outs: Vec<Vec<&mut [f32]>> = (0..group_count.div_ceil(groups_per_task))
+            .map(|_| Vec::with_capacity(tokens))
+            .collect();
+        for token_out in out.chunks_exact_mut(self.rows) {
+            for (task_out, rows) in task_outs
+                .iter_mut()
+                .zip(token_out.chunks_mut(rows_per_task))
+            {
+                task_out.push(rows);
+            }
+        }
+        workers.for_each_chunk_mut(&mut task_outs, 1, &|task, task_out| {
             let first_group = task * groups_per_task;
+            let groups = first_group..(first_group + groups_per_task).min(group_count);
             // Token tiles keep a tile's activations in L1/L2 while the task's weights stream.
             for first_token in (0..tokens).step_by(TOKEN_TILE) {
-                let tile = first_token..(first_token + TOKEN_TILE).min(tokens);
-                for (i, out) in out.chunks_exact_mut(group_floats).enumerate() {
-                    let blocks =
-                        (first_group + i) * blocks_per_row..(first_group + i + 1) * blocks_per_row;
-                    let job = GroupJob {
-                        acts,
-                        tokens: tile.clone(),
-                        out,
-                        stride: tokens,
-                    };
-                    match &self.storage {
-                        Storage::Q41(all) => q41_group(backend, &all[blocks], job),
-                        Storage::Q80(all) => q80_group(backend, &all[blocks], job),
-                    }
-                }
+                let job = TaskJob {
+                    acts,
+                    tokens: first_token..(first_token + TOKEN_TILE).min(tokens),
+                    out: &mut task_out[0],
+                    first_group: groups.start,
+                };
+                self.run_groups(backend, groups.clone(), job);
             }
         });
     }
-}
 
-thread_local! {
-    /// `QuantMatrix::matmul`'s transposed result, reused across calls on this thread.
-    static TRANSPOSED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Computes row groups `groups` (the task's) for the job's tokens.
+    fn run_groups(&self, backend: Backend, groups: Range<usize>, mut job: TaskJob) {
+        let blocks_per_row = self.cols / BLOCK;
+        let blocks = |g: usize| g * blocks_per_row..(g + 1) * blocks_per_row;
+        if backend == Backend::Avx512Vnni && vnni::worth_it(job.tokens.len()) {
+            // Two groups (16 rows) per pass; an odd last group goes alone.
+            for first in groups.clone().step_by(2) {
+                let second = (first + 1).min(groups.end - 1);
+                let rows = (second - first + 1) * GROUP_ROWS;
+                let pair = job.rows(first, rows);
+                match &self.storage {
+                    Storage::Q41(all) => {
+                        vnni::q41_pair([&all[blocks(first)], &all[blocks(second)]], pair)
+                    }
+                    Storage::Q80(all) => {
+                        vnni::q80_pair([&all[blocks(first)], &all[blocks(second)]], pair)
+                    }
+                }
+            }
+            return;
+        }
+        for g in groups {
+            let group = job.rows(g, GROUP_ROWS);
+            match &self.storage {
+                Storage::Q41(all) => q41_group(backend, &all[blocks(g)], group),
+                Storage::Q80(all) => q80_group(backend, &all[blocks(g)], group),
+            }
+        }
+    }
 }
 
 /// Tokens per tile in a matmul: 64 tokens of a 1536-wide row are 120 KiB of activations.
 const TOKEN_TILE: usize = 64;
 
-/// One row group's share of a matmul: tokens `tokens` of `acts`, results at
-/// `out[row * stride + token]`.
-pub(crate) struct GroupJob<'a> {
+/// One task's share of a matmul: its row groups from `first_group` on, for tokens `tokens`;
+/// `out[t]` is token t's slice of the task's rows.
+struct TaskJob<'a, 'o> {
+    acts: &'a QuantActs,
+    tokens: Range<usize>,
+    out: &'a mut [&'o mut [f32]],
+    first_group: usize,
+}
+
+impl<'o> TaskJob<'_, 'o> {
+    /// The job for `rows` rows starting at group `group`.
+    fn rows(&mut self, group: usize, rows: usize) -> GroupJob<'_, 'o> {
+        GroupJob {
+            acts: self.acts,
+            tokens: self.tokens.clone(),
+            out: &mut *self.out,
+            first_row: (group - self.first_group) * GROUP_ROWS,
+            rows,
+        }
+    }
+}
+
+/// What one kernel call computes: `rows` rows (one group of 8, or two for the VNNI kernels)
+/// for tokens `tokens` of `acts`; row r of token t goes to `out[t][first_row + r]`.
+pub(crate) struct GroupJob<'a, 'o> {
     pub acts: &'a QuantActs,
-    pub tokens: std::ops::Range<usize>,
-    pub out: &'a mut [f32],
-    pub stride: usize,
+    pub tokens: Range<usize>,
+    out: &'a mut [&'o mut [f32]],
+    first_row: usize,
+    rows: usize,
+}
+
+impl<'a, 'o> GroupJob<'a, 'o> {
+    /// A job over `out[t][first_row..first_row + rows]` (for tests that call kernels directly).
+    #[cfg(test)]
+    pub(crate) fn new(
+        acts: &'a QuantActs,
+        tokens: Range<usize>,
+        out: &'a mut [&'o mut [f32]],
+        first_row: usize,
+        rows: usize,
+    ) -> Self {
+        GroupJob {
+            acts,
+            tokens,
+            out,
+            first_row,
+            rows,
+        }
+    }
+
+    /// Rows this job writes for each token.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The part of a two-group job that is group `g` (0 or 1).
+    pub fn group(&mut self, g: usize) -> GroupJob<'_, 'o> {
+        assert!((g + 1) * GROUP_ROWS <= self.rows, "a group of the job");
+        GroupJob {
+            acts: self.acts,
+            tokens: self.tokens.clone(),
+            out: &mut *self.out,
+            first_row: self.first_row + g * GROUP_ROWS,
+            rows: GROUP_ROWS,
+        }
+    }
+
+    /// Stores row `row`'s result for token `token`.
+    #[inline(always)]
+    pub fn put(&mut self, token: usize, row: usize, value: f32) {
+        debug_assert!(row < self.rows, "row within the job");
+        self.out[token][self.first_row + row] = value;
+    }
+
+    /// Token `token`'s results, all of the job's rows in order.
+    #[inline(always)]
+    pub fn token_rows(&mut self, token: usize) -> &mut [f32] {
+        &mut self.out[token][self.first_row..self.first_row + self.rows]
+    }
+
+    /// The bounds the kernels rely on: one activation block per weight block, tokens within
+    /// the activations and the outputs, and room for the job's rows in every token's output.
+    pub fn check(&self, blocks: usize, rows: usize) {
+        assert_eq!(self.rows, rows, "a job for this kernel's row count");
+        assert_eq!(
+            self.acts.cols() / BLOCK,
+            blocks,
+            "one activation block per weight block"
+        );
+        assert!(
+            self.tokens.end <= self.acts.rows() && self.tokens.end <= self.out.len(),
+            "tokens within the activations and the outputs"
+        );
+        for out in &self.out[self.tokens.clone()] {
+            assert!(
+                self.first_row + self.rows <= out.len(),
+                "room for the job's rows"
+            );
+        }
+    }
 }
 
 fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
     match backend {
         Backend::Scalar => scalar::q41_group(group, job),
-        Backend::Avx2 => avx2::q41_group(group, job),
-        Backend::Avx512Vnni => vnni::q41_group(group, job),
+        // VNNI below its token threshold (`run_groups` sends larger jobs to `vnni`).
+        Backend::Avx2 | Backend::Avx512Vnni => avx2::q41_group(group, job),
         Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q41_group(group, job),
     }
 }
@@ -295,8 +392,7 @@ fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
 fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
     match backend {
         Backend::Scalar => scalar::q80_group(group, job),
-        Backend::Avx2 => avx2::q80_group(group, job),
-        Backend::Avx512Vnni => vnni::q80_group(group, job),
+        Backend::Avx2 | Backend::Avx512Vnni => avx2::q80_group(group, job),
         Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q80_group(group, job),
     }
 }

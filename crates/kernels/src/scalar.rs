@@ -23,13 +23,9 @@ pub(crate) fn q41_row_nibbles(block: &Q41GroupBlock, row: usize) -> &[u8] {
 }
 
 /// Computes 8 rows × the job's tokens.
-pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
-    let GroupJob {
-        acts,
-        tokens,
-        out,
-        stride,
-    } = job;
+pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
+    job.check(group.len(), GROUP_ROWS);
+    let (acts, tokens) = (job.acts, job.tokens.clone());
     for row in 0..GROUP_ROWS {
         let lane = q41_lane(row);
         for token in tokens.clone() {
@@ -43,19 +39,15 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], job: GroupJob) {
                 }
                 sum += f16_to_f32(w.d[lane]) * a.d * sumi as f32 + f16_to_f32(w.m[lane]) * a.s;
             }
-            out[row * stride + token] = sum;
+            job.put(token, row, sum);
         }
     }
 }
 
 /// Computes 8 rows × the job's tokens.
-pub(crate) fn q80_group(group: &[Q80GroupBlock], job: GroupJob) {
-    let GroupJob {
-        acts,
-        tokens,
-        out,
-        stride,
-    } = job;
+pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
+    job.check(group.len(), GROUP_ROWS);
+    let (acts, tokens) = (job.acts, job.tokens.clone());
     for row in 0..GROUP_ROWS {
         for token in tokens.clone() {
             let mut sum = 0f32;
@@ -68,7 +60,7 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], job: GroupJob) {
                     .sum();
                 sum += f16_to_f32(w.d[row]) * a.d * sumi as f32;
             }
-            out[row * stride + token] = sum;
+            job.put(token, row, sum);
         }
     }
 }

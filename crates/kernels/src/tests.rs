@@ -140,6 +140,9 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
             (8, 64, 13),
             (64, 576, 21),
             (16, 128, 70),
+            // Pairs of groups with an odd one out, over runs of 8, 4 and 1 tokens.
+            (40, 64, 29),
+            (48, 96, 16),
         ] {
             let mut bytes = match format {
                 WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols).0,
@@ -380,13 +383,9 @@ fn ggml_exact_q41_simd_equals_portable() {
     let per_group = cols / BLOCK;
     let run = |kernel: fn(&[crate::matrix::Q41GroupBlock], crate::matrix::GroupJob)| {
         let mut out = vec![0f32; rows * tokens];
-        for (group, out) in out.chunks_exact_mut(8 * tokens).enumerate() {
-            let job = crate::matrix::GroupJob {
-                acts: &acts,
-                tokens: 0..tokens,
-                out,
-                stride: tokens,
-            };
+        let mut token_rows: Vec<&mut [f32]> = out.chunks_exact_mut(rows).collect();
+        for group in 0..rows / 8 {
+            let job = crate::matrix::GroupJob::new(&acts, 0..tokens, &mut token_rows, group * 8, 8);
             kernel(&blocks[group * per_group..(group + 1) * per_group], job);
         }
         out
@@ -395,15 +394,75 @@ fn ggml_exact_q41_simd_equals_portable() {
     let dispatched = run(crate::ggml_exact::q41_group);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&portable), bits(&dispatched));
-    // And `matmul` with the ggml-exact backend routes to this kernel and lays it out by token.
+    // And `matmul` with the ggml-exact backend routes to this kernel.
     let mut via_matrix = vec![0f32; rows * tokens];
     matrix.matmul(Backend::GgmlExact, &Workers::new(1), &acts, &mut via_matrix);
-    for t in 0..tokens {
-        for r in 0..rows {
-            assert_eq!(
-                via_matrix[t * rows + r].to_bits(),
-                portable[r * tokens + t].to_bits()
-            );
+    assert_eq!(bits(&via_matrix), bits(&portable));
+}
+
+/// K/V pages for `len` positions of one head (`page_size` slots each), random.
+fn random_pages(rng: &mut Rng, len: usize, page_size: usize, head_dim: usize) -> Vec<Vec<f16>> {
+    (0..len.div_ceil(page_size))
+        .map(|_| {
+            (0..page_size * head_dim)
+                .map(|_| f16::from_f32(rng.f32() * 2.0))
+                .collect()
+        })
+        .collect()
+}
+
+/// Grouped attention: every backend within float tolerance of the plain per-head arithmetic
+/// (`Scalar`), and on each backend a head's bits do not depend on how many heads shared the
+/// call, over lengths that end mid-page, on a page boundary and inside a four-key pass.
+#[test]
+fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
+    let mut rng = Rng(33);
+    for (head_dim, heads, page_size, len) in [
+        (64, 3, 16, 1),
+        (64, 3, 16, 16),
+        (64, 3, 16, 37),
+        (64, 2, 8, 21),
+        (64, 4, 16, 130),
+        (32, 3, 16, 5),
+        (24, 3, 4, 11),
+    ] {
+        let keys = random_pages(&mut rng, len, page_size, head_dim);
+        let values = random_pages(&mut rng, len, page_size, head_dim);
+        let key_pages: Vec<&[f16]> = keys.iter().map(Vec::as_slice).collect();
+        let value_pages: Vec<&[f16]> = values.iter().map(Vec::as_slice).collect();
+        let attention = KvHeadAttention {
+            keys: &key_pages,
+            values: &value_pages,
+            page_size,
+            head_dim,
+            len,
+            scale: 0.125,
+        };
+        let queries: Vec<f32> = (0..heads * head_dim).map(|_| rng.f32() * 4.0).collect();
+        let run_all = |backend| {
+            let mut out = vec![0f32; queries.len()];
+            attention.run(backend, &queries, &mut out);
+            out
+        };
+        let plain = run_all(Backend::Scalar);
+        for backend in Backend::available() {
+            let grouped = run_all(backend);
+            let mut one_by_one = vec![0f32; queries.len()];
+            for (q, out) in queries
+                .chunks_exact(head_dim)
+                .zip(one_by_one.chunks_exact_mut(head_dim))
+            {
+                attention.run(backend, q, out);
+            }
+            let case = format!("{backend:?} head_dim {head_dim} heads {heads} len {len}");
+            for (i, ((&g, &o), &p)) in grouped.iter().zip(&one_by_one).zip(&plain).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    o.to_bits(),
+                    "{case}: out[{i}] grouped vs alone"
+                );
+                assert!((g - p).abs() < 2e-3, "{case}: out[{i}] {g} vs plain {p}");
+            }
         }
     }
 }

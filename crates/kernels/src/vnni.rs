@@ -1,226 +1,358 @@
-//! AVX-512 VNNI matmul kernels, on 256-bit registers (AVX512VL). `vpdpbusd` multiplies 4 bytes
-//! by 4 bytes and adds the four products into an i32 lane, so with a block's weights turned
-//! around (lane = row, one dword of 4 columns at a time) each lane ends the block holding its
-//! row's integer sum: no horizontal reduction, and each weight unpack is shared by up to 8
-//! tokens. The integer sums are exact and the float steps are the AVX2 kernels' own, in the
-//! same order, so the results are bit for bit those of `avx2` (tested).
+//! AVX-512 VNNI matmul kernels for batches: two row groups (16 rows) per pass, one row per
+//! lane of a 512-bit register. `vpdpbusd` multiplies 4 bytes by 4 bytes and adds the four
+//! products into an i32 lane, so with a block's weights turned around (lane = row, one dword
+//! of 4 columns at a time) each lane ends the block holding its row's integer sum: no
+//! horizontal reduction, and each weight unpack is shared by up to 16 tokens. The integer sums
+//! are exact and the float steps are the AVX2 kernels' own, per lane and in the same order, so
+//! the results are bit for bit those of `avx2` (tested).
 //!
-//! Each public function is safe to call on any CPU: without VNNI it runs the AVX2 kernel.
+//! The rows stay in the 8-row groups every backend shares: the low half of each register works
+//! on one group, the high half on the next, and the unpacks (which never cross a 128-bit lane)
+//! serve both. Each public function is safe to call on any CPU: without VNNI it runs the AVX2
+//! kernel, one group at a time.
 
 use crate::avx2;
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock};
+use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
 
 /// Below this many tokens the AVX2 kernels are faster (the turn-around costs more than the
 /// reduction tree it saves when there is nothing to share it with); same results either way.
 const MIN_TOKENS: usize = 4;
 
+/// Whether a job of `tokens` tokens should take these kernels.
+pub(crate) fn worth_it(tokens: usize) -> bool {
+    tokens >= MIN_TOKENS && cpu_ok()
+}
+
 fn cpu_ok() -> bool {
     crate::backend::has_avx512_vnni()
 }
 
-/// Splits tokens `range` into runs of 8, then 4, then 1: `(first, width)`.
-fn token_runs(range: std::ops::Range<usize>) -> impl Iterator<Item = (usize, usize)> {
-    let eights = (range.end - range.start) / 8 * 8;
-    let fours = (range.end - range.start - eights) / 4 * 4;
-    let (start, four_start) = (range.start, range.start + eights);
-    let one_start = four_start + fours;
-    (start..four_start)
-        .step_by(8)
-        .map(|t| (t, 8))
-        .chain((four_start..one_start).step_by(4).map(|t| (t, 4)))
-        .chain((one_start..range.end).map(|t| (t, 1)))
+/// Splits tokens `range` into runs of 8, 4, then 1, and calls `run(first, width)` for each.
+fn for_token_runs(range: std::ops::Range<usize>, mut run: impl FnMut(usize, usize)) {
+    let mut first = range.start;
+    for width in [8, 4, 1] {
+        while first + width <= range.end {
+            run(first, width);
+            first += width;
+        }
+    }
 }
 
-pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
-    avx2::check_job(group.len(), &job);
+/// Rows `groups[0]` then `groups[1]` (16 rows) of a Q4_1 matrix for the job's tokens. When
+/// the job holds 8 rows, `groups[1]` is computed too but not stored (pass the same group).
+pub(crate) fn q41_pair(groups: [&[Q41GroupBlock]; 2], mut job: GroupJob) {
+    check_pair(groups, &job);
     #[cfg(target_arch = "x86_64")]
-    if cpu_ok() && job.tokens.len() >= MIN_TOKENS {
-        for (first, width) in token_runs(job.tokens.clone()) {
-            // SAFETY: the CPU has avx2, fma, f16c, avx512f, avx512vl and avx512vnni (checked
-            // above); `check_job` bounded the job, and `first + width <= job.tokens.end`.
+    if cpu_ok() {
+        for_token_runs(job.tokens.clone(), |first, width| {
+            // SAFETY: the CPU has the features `x86` needs (checked above); `check_pair`
+            // bounded the job, and `first + width <= job.tokens.end`.
             unsafe {
                 match width {
-                    8 => x86::q41_tokens::<8>(group, &mut job, first),
-                    4 => x86::q41_tokens::<4>(group, &mut job, first),
-                    _ => x86::q41_tokens::<1>(group, &mut job, first),
+                    8 => x86::q41_tokens::<8>(groups, &mut job, first),
+                    4 => x86::q41_tokens::<4>(groups, &mut job, first),
+                    _ => x86::q41_tokens::<1>(groups, &mut job, first),
                 }
             }
-        }
+        });
         return;
     }
-    avx2::q41_group(group, job)
+    for_each_group(job, |g, job| avx2::q41_group(groups[g], job));
 }
 
-pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
-    avx2::check_job(group.len(), &job);
+/// As `q41_pair`, for Q8_0.
+pub(crate) fn q80_pair(groups: [&[Q80GroupBlock]; 2], mut job: GroupJob) {
+    check_pair(groups, &job);
     #[cfg(target_arch = "x86_64")]
-    if cpu_ok() && job.tokens.len() >= MIN_TOKENS {
-        for (first, width) in token_runs(job.tokens.clone()) {
-            // SAFETY: as in `q41_group`.
+    if cpu_ok() {
+        for_token_runs(job.tokens.clone(), |first, width| {
+            // SAFETY: as in `q41_pair`.
             unsafe {
                 match width {
-                    8 => x86::q80_tokens::<8>(group, &mut job, first),
-                    4 => x86::q80_tokens::<4>(group, &mut job, first),
-                    _ => x86::q80_tokens::<1>(group, &mut job, first),
+                    8 => x86::q80_tokens::<8>(groups, &mut job, first),
+                    4 => x86::q80_tokens::<4>(groups, &mut job, first),
+                    _ => x86::q80_tokens::<1>(groups, &mut job, first),
                 }
             }
-        }
+        });
         return;
     }
-    avx2::q80_group(group, job)
+    for_each_group(job, |g, job| avx2::q80_group(groups[g], job));
+}
+
+/// Both groups' blocks match the activations, and the job is for 8 or 16 rows.
+fn check_pair<B>(groups: [&[B]; 2], job: &GroupJob) {
+    let rows = job.rows();
+    assert!(
+        rows == GROUP_ROWS || rows == 2 * GROUP_ROWS,
+        "one or two groups"
+    );
+    assert_eq!(groups[0].len(), groups[1].len(), "groups of one matrix");
+    job.check(groups[0].len(), rows);
+}
+
+/// Runs `kernel(g, job)` for each 8-row group of a pair job (the fallback without VNNI).
+fn for_each_group(mut job: GroupJob, kernel: impl Fn(usize, GroupJob)) {
+    for g in 0..job.rows() / GROUP_ROWS {
+        kernel(g, job.group(g));
+    }
 }
 
 // As in `avx2`: nearly every line is an intrinsic under the function's safety contract.
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
+    use crate::ActBlock;
     use std::arch::x86_64::*;
+    use std::mem::size_of;
 
     // Loads are unaligned loads of exactly the bytes of fixed-size array fields (`qs`, `d`,
     // `m` of a block; dword `k < 8` of an activation block's 32 bytes), so every pointer is in
-    // bounds for the width it reads.
+    // bounds for the width it reads. Activation blocks are read with `get_unchecked(b)` for
+    // `b` below the group's block count, which `check_pair` tied to the activations' width.
 
     /// Dword `k` (bytes 4k..4k+4) of an activation block, in every lane.
     #[inline(always)]
-    unsafe fn act_dword(qs: &[i8; 32], k: usize) -> __m256i {
-        _mm256_set1_epi32(std::ptr::read_unaligned((qs.as_ptr() as *const i32).add(k)))
+    unsafe fn act_dword(qs: &[i8; 32], k: usize) -> __m512i {
+        _mm512_set1_epi32(std::ptr::read_unaligned((qs.as_ptr() as *const i32).add(k)))
     }
 
-    /// 8 rows × tokens `first..first + N` of one Q4_1 row group.
+    /// Activation rows `first..first + N`. (Plain loops here and below, not `array::from_fn`:
+    /// its closure may stay out of line in a `target_feature` function, a call per block.)
+    #[inline(always)]
+    fn token_rows<const N: usize>(acts: &crate::QuantActs, first: usize) -> [&[ActBlock]; N] {
+        let mut rows = [acts.row(first); N];
+        for (n, row) in rows.iter_mut().enumerate().skip(1) {
+            *row = acts.row(first + n);
+        }
+        rows
+    }
+
+    /// Block `b` of each row.
+    #[inline(always)]
+    unsafe fn blocks_at<'a, const N: usize>(
+        rows: &[&'a [ActBlock]; N],
+        b: usize,
+    ) -> [&'a ActBlock; N] {
+        let mut blocks = [rows[0].get_unchecked(b); N];
+        for n in 1..N {
+            blocks[n] = rows[n].get_unchecked(b);
+        }
+        blocks
+    }
+
+    /// Two 256-bit loads, one per group, as the low and high halves of a register.
+    #[inline(always)]
+    unsafe fn load_pair(low: *const __m256i, high: *const __m256i) -> __m512i {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(low)),
+            _mm256_loadu_si256(high),
+        )
+    }
+
+    /// Asks for the cache lines of one block's worth of bytes `ahead` bytes past `block`. A
+    /// pair's rows are short runs (576 values: 18 blocks), which the hardware prefetcher does
+    /// not pick up in time when the weights stream from memory (`examples/matmul_speed` with
+    /// copies: Q4_1 98–115 GMAC/s without, 126–145 with). `wrapping_add`: the address may
+    /// pass the end of the weights; a prefetch never faults.
+    #[inline(always)]
+    unsafe fn prefetch_ahead<B>(block: &B, ahead: usize) {
+        let start = (block as *const B as *const i8).wrapping_add(ahead);
+        for line in (0..size_of::<B>()).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line));
+        }
+    }
+
+    /// How far ahead to prefetch: the same block of the next pair of groups (which follows
+    /// this pair in memory), so a pair's weights arrive while the pair before it is computed;
+    /// at most `MAX_AHEAD` blocks ahead for long rows.
+    fn prefetch_distance<B>(group: &[B]) -> usize {
+        const MAX_AHEAD: usize = 64;
+        (2 * group.len()).min(MAX_AHEAD) * size_of::<B>()
+    }
+
+    /// Both groups' eight f16 scales, as 16 floats.
+    #[inline(always)]
+    unsafe fn scales_pair(low: &[u16; 8], high: &[u16; 8]) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set_m128i(
+            _mm_loadu_si128(high.as_ptr() as *const __m128i),
+            _mm_loadu_si128(low.as_ptr() as *const __m128i),
+        ))
+    }
+
+    /// Stores one token's 16 lanes (in row order) to its output, or the first 8 when the job
+    /// holds one group. `token_rows` is a bounds-checked slice of exactly the job's rows, which
+    /// `check_pair` allowed to be only 8 or 16: each store writes inside it.
+    #[inline(always)]
+    unsafe fn store_token(job: &mut GroupJob, token: usize, acc: __m512) {
+        let out = job.token_rows(token);
+        if out.len() == 2 * GROUP_ROWS {
+            _mm512_storeu_ps(out.as_mut_ptr(), acc);
+        } else {
+            // `check_pair`: 8 rows otherwise.
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(acc));
+        }
+    }
+
+    /// 16 rows × tokens `first..first + N` of two Q4_1 row groups.
     ///
-    /// The block's 128 bytes are four registers `[row 2p | row 2p+1]` of 16 bytes (byte j:
-    /// column j low nibble, column j+16 high). Two rounds of unpacks turn them into four
-    /// registers whose lane i holds dword k of row `Q41_LANE_ROW[i]`, the order `d` and `m` are
-    /// stored in; masking and shifting then gives columns 4k..4k+4 (low nibbles) and
-    /// 16+4k..16+4k+4 (high), as unsigned bytes for `vpdpbusd`.
+    /// Each group block's 128 bytes are four 32-byte registers `[row 2p | row 2p+1]` (byte j:
+    /// column j low nibble, column j+16 high). Two rounds of in-lane unpacks turn them into
+    /// four registers whose lane i holds dword k of row `Q41_LANE_ROW[i]` (the order `d` and
+    /// `m` are stored in); masking and shifting then gives columns 4k..4k+4 (low nibbles) and
+    /// 16+4k..16+4k+4 (high), as unsigned bytes for `vpdpbusd`. The sums are put back in row
+    /// order before they are stored.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma, f16c, avx512f, avx512vl and avx512vnni, and `job`
-    /// passed `check_job` with `first + N <= job.tokens.end`.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    /// The CPU must support avx2, fma, f16c, avx512f, avx512bw, avx512vl and avx512vnni;
+    /// `job` passed `check_pair` with these groups and `first + N <= job.tokens.end`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn q41_tokens<const N: usize>(
-        group: &[Q41GroupBlock],
+        groups: [&[Q41GroupBlock]; 2],
         job: &mut GroupJob,
         first: usize,
     ) {
         let acts = job.acts;
-        let low_nibble = _mm256_set1_epi8(0x0F);
-        let rows: [&[crate::ActBlock]; N] = std::array::from_fn(|n| acts.row(first + n));
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (b, w) in group.iter().enumerate() {
-            let w_ptr = w.qs.as_ptr() as *const __m256i;
+        let low_nibble = _mm512_set1_epi8(0x0F);
+        let rows = token_rows::<N>(acts, first);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let ahead = prefetch_distance(groups[0]);
+        for (b, (w0, w1)) in groups[0].iter().zip(groups[1]).enumerate() {
+            prefetch_ahead(w0, ahead);
+            prefetch_ahead(w1, ahead);
+            let (p0, p1) = (
+                w0.qs.as_ptr() as *const __m256i,
+                w1.qs.as_ptr() as *const __m256i,
+            );
             // Plain loops, not `array::from_fn` or `map`: closures may stay out of line in a
             // `target_feature` function.
-            let mut p = [_mm256_setzero_si256(); 4];
+            let mut p = [_mm512_setzero_si512(); 4];
             for (i, p) in p.iter_mut().enumerate() {
-                *p = _mm256_loadu_si256(w_ptr.add(i));
+                *p = load_pair(p0.add(i), p1.add(i));
             }
-            let lo01 = _mm256_unpacklo_epi32(p[0], p[1]);
-            let hi01 = _mm256_unpackhi_epi32(p[0], p[1]);
-            let lo23 = _mm256_unpacklo_epi32(p[2], p[3]);
-            let hi23 = _mm256_unpackhi_epi32(p[2], p[3]);
+            let lo01 = _mm512_unpacklo_epi32(p[0], p[1]);
+            let hi01 = _mm512_unpackhi_epi32(p[0], p[1]);
+            let lo23 = _mm512_unpacklo_epi32(p[2], p[3]);
+            let hi23 = _mm512_unpackhi_epi32(p[2], p[3]);
             let dwords = [
-                _mm256_unpacklo_epi64(lo01, lo23),
-                _mm256_unpackhi_epi64(lo01, lo23),
-                _mm256_unpacklo_epi64(hi01, hi23),
-                _mm256_unpackhi_epi64(hi01, hi23),
+                _mm512_unpacklo_epi64(lo01, lo23),
+                _mm512_unpackhi_epi64(lo01, lo23),
+                _mm512_unpacklo_epi64(hi01, hi23),
+                _mm512_unpackhi_epi64(hi01, hi23),
             ];
-            let mut low = [_mm256_setzero_si256(); 4];
-            let mut high = [_mm256_setzero_si256(); 4];
+            let mut low = [_mm512_setzero_si512(); 4];
+            let mut high = [_mm512_setzero_si512(); 4];
             for k in 0..4 {
-                low[k] = _mm256_and_si256(dwords[k], low_nibble);
-                high[k] = _mm256_and_si256(_mm256_srli_epi16(dwords[k], 4), low_nibble);
+                low[k] = _mm512_and_si512(dwords[k], low_nibble);
+                high[k] = _mm512_and_si512(_mm512_srli_epi16(dwords[k], 4), low_nibble);
             }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
-            let m = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr() as *const __m128i));
-            for n in 0..N {
-                let a = rows[n].get_unchecked(b);
-                let mut sumi = _mm256_setzero_si256();
-                for k in 0..4 {
-                    sumi = _mm256_dpbusd_epi32(sumi, low[k], act_dword(&a.qs, k));
-                    sumi = _mm256_dpbusd_epi32(sumi, high[k], act_dword(&a.qs, 4 + k));
+            let d = scales_pair(&w0.d, &w1.d);
+            let m = scales_pair(&w0.m, &w1.m);
+            // Column dwords outermost: the tokens' sums are independent chains, interleaved.
+            let a = blocks_at::<N>(&rows, b);
+            let mut sumi = [_mm512_setzero_si512(); N];
+            for k in 0..4 {
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], low[k], act_dword(&a[n].qs, k));
                 }
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], high[k], act_dword(&a[n].qs, 4 + k));
+                }
+            }
+            for n in 0..N {
                 // The AVX2 kernel's float steps, in its order.
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[n]);
-                acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s), acc[n]);
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
+                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
+                acc[n] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[n].s), acc[n]);
             }
         }
+        // Lane i holds row Q41_LANE_ROW[i % 8] of its group; row r sits in lane ROW_LANE[r].
+        let row_order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
         for (n, acc) in acc.iter().enumerate() {
-            let mut lanes = [0f32; GROUP_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
-            for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
-                job.out[row * job.stride + first + n] = lanes[lane];
-            }
+            store_token(job, first + n, _mm512_permutexvar_ps(row_order, *acc));
         }
     }
 
-    /// 8 rows × tokens `first..first + N` of one Q8_0 row group.
+    /// 16 rows × tokens `first..first + N` of two Q8_0 row groups.
     ///
-    /// The block's 8 rows of 32 signed bytes are transposed 8×8 in dwords (lane = row, in row
-    /// order). `vpdpbusd` wants one unsigned operand: the weights get +128 (a sign-bit flip),
-    /// and each token's sum starts at −128·Σqs of its activation block, so what the lane ends
-    /// with is exactly Σ w·a.
+    /// Each group block's 8 rows of 32 signed bytes are transposed 8×8 in dwords (lane = row,
+    /// in row order). `vpdpbusd` wants one unsigned operand: the weights get +128 (a sign-bit
+    /// flip), and each token's sum starts at −128·Σqs of its activation block, so what the
+    /// lane ends with is exactly Σ w·a.
     ///
     /// # Safety
     /// As `q41_tokens`.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn q80_tokens<const N: usize>(
-        group: &[Q80GroupBlock],
+        groups: [&[Q80GroupBlock]; 2],
         job: &mut GroupJob,
         first: usize,
     ) {
         let acts = job.acts;
-        let sign_bits = _mm256_set1_epi8(i8::MIN);
-        let rows: [&[crate::ActBlock]; N] = std::array::from_fn(|n| acts.row(first + n));
-        let mut acc = [_mm256_setzero_ps(); N];
-        for (b, w) in group.iter().enumerate() {
-            let w_ptr = w.qs.as_ptr() as *const __m256i;
+        let sign_bits = _mm512_set1_epi8(i8::MIN);
+        // 128-bit lanes [top 0, bottom 0, top 2, bottom 2] and [top 1, bottom 1, top 3,
+        // bottom 3]: what `permute2x128` 0x20 / 0x31 does in each 256-bit half.
+        let even_lanes = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+        let odd_lanes = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+        let rows = token_rows::<N>(acts, first);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let ahead = prefetch_distance(groups[0]);
+        for (b, (w0, w1)) in groups[0].iter().zip(groups[1]).enumerate() {
+            prefetch_ahead(w0, ahead);
+            prefetch_ahead(w1, ahead);
+            let (p0, p1) = (
+                w0.qs.as_ptr() as *const __m256i,
+                w1.qs.as_ptr() as *const __m256i,
+            );
             // Plain loops, as in `q41_tokens`.
-            let mut r = [_mm256_setzero_si256(); 8];
+            let mut r = [_mm512_setzero_si512(); 8];
             for (i, r) in r.iter_mut().enumerate() {
-                *r = _mm256_loadu_si256(w_ptr.add(i));
+                *r = load_pair(p0.add(i), p1.add(i));
             }
             // Rows (a, b) → [a0 b0 a1 b1 | a4 b4 a5 b5] and [a2 b2 a3 b3 | a6 b6 a7 b7].
-            let mut s = [_mm256_setzero_si256(); 8];
+            let mut s = [_mm512_setzero_si512(); 8];
             for pair in 0..4 {
-                s[2 * pair] = _mm256_unpacklo_epi32(r[2 * pair], r[2 * pair + 1]);
-                s[2 * pair + 1] = _mm256_unpackhi_epi32(r[2 * pair], r[2 * pair + 1]);
+                s[2 * pair] = _mm512_unpacklo_epi32(r[2 * pair], r[2 * pair + 1]);
+                s[2 * pair + 1] = _mm512_unpackhi_epi32(r[2 * pair], r[2 * pair + 1]);
             }
             // Rows 0-3 (from s0..s3) and 4-7 (s4..s7): half[j] holds dwords j | j+4.
-            let mut halves = [[_mm256_setzero_si256(); 4]; 2];
+            let mut halves = [[_mm512_setzero_si512(); 4]; 2];
             for (half, base) in halves.iter_mut().zip([0, 4]) {
-                half[0] = _mm256_unpacklo_epi64(s[base], s[base + 2]);
-                half[1] = _mm256_unpackhi_epi64(s[base], s[base + 2]);
-                half[2] = _mm256_unpacklo_epi64(s[base + 1], s[base + 3]);
-                half[3] = _mm256_unpackhi_epi64(s[base + 1], s[base + 3]);
+                half[0] = _mm512_unpacklo_epi64(s[base], s[base + 2]);
+                half[1] = _mm512_unpackhi_epi64(s[base], s[base + 2]);
+                half[2] = _mm512_unpacklo_epi64(s[base + 1], s[base + 3]);
+                half[3] = _mm512_unpackhi_epi64(s[base + 1], s[base + 3]);
             }
-            let mut biased = [_mm256_setzero_si256(); 8];
+            let mut biased = [_mm512_setzero_si512(); 8];
             for j in 0..4 {
                 let (top, bottom) = (halves[0][j], halves[1][j]);
-                biased[j] =
-                    _mm256_xor_si256(_mm256_permute2x128_si256(top, bottom, 0x20), sign_bits);
+                biased[j] = _mm512_xor_si512(
+                    _mm512_permutex2var_epi64(top, even_lanes, bottom),
+                    sign_bits,
+                );
                 biased[j + 4] =
-                    _mm256_xor_si256(_mm256_permute2x128_si256(top, bottom, 0x31), sign_bits);
+                    _mm512_xor_si512(_mm512_permutex2var_epi64(top, odd_lanes, bottom), sign_bits);
             }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
+            let d = scales_pair(&w0.d, &w1.d);
+            // Column dwords outermost, as in `q41_tokens`.
+            let a = blocks_at::<N>(&rows, b);
+            let mut sumi = [_mm512_setzero_si512(); N];
             for n in 0..N {
-                let a = rows[n].get_unchecked(b);
-                let mut sumi = _mm256_set1_epi32(-128 * a.qsum);
-                for (k, weights) in biased.iter().enumerate() {
-                    sumi = _mm256_dpbusd_epi32(sumi, *weights, act_dword(&a.qs, k));
+                sumi[n] = _mm512_set1_epi32(-128 * a[n].qsum);
+            }
+            for (k, weights) in biased.iter().enumerate() {
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], *weights, act_dword(&a[n].qs, k));
                 }
-                let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
-                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[n]);
+            }
+            for n in 0..N {
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
+                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
             }
         }
         for (n, acc) in acc.iter().enumerate() {
-            let mut lanes = [0f32; GROUP_ROWS];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
-            for (row, value) in lanes.iter().enumerate() {
-                job.out[row * job.stride + first + n] = *value;
-            }
+            store_token(job, first + n, *acc);
         }
     }
 }

@@ -3,10 +3,7 @@
 use crate::{Error, Model, Result};
 use half::f16;
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
-use kernels::{
-    add_in_place, attention_mix_f16, attention_scores_f16, quantize_acts, rms_norm, silu_mul,
-    softmax_in_place, QuantActs,
-};
+use kernels::{add_in_place, quantize_acts, rms_norm, silu_mul, KvHeadAttention, QuantActs};
 use kv::{KvKind, PagePool, PageTable, PageView};
 
 /// One sequence's part of a batched step: `tokens` go at positions `start_pos..`, with K/V
@@ -27,8 +24,8 @@ struct RowSource {
     pos: usize,
 }
 
-/// One (row, query head) of an attention step: where the row comes from, its sequence's
-/// pages, the K/V head its query head reads, and the query.
+/// One (row, query heads) task of an attention step: where the row comes from, its
+/// sequence's pages, the K/V head its query heads read, and the queries.
 struct HeadTask<'a> {
     source: RowSource,
     view: &'a PageView<'a>,
@@ -287,7 +284,8 @@ impl Model {
     }
 
     /// Causal grouped-query attention for every row, reading K/V from the verified pages.
-    /// One task per (row, query head), so decode at batch 1 still spreads over the threads.
+    /// One task per (row, K/V head), or per (row, query head) when that is too few tasks for
+    /// the threads (decode at batch 1).
     fn attend(
         &self,
         layer: usize,
@@ -299,24 +297,36 @@ impl Model {
         if let Some(build) = self.exact() {
             return self.attend_exact(build, layer, rows, qkv, views, out);
         }
-        let head_dim = self.config.head_dim;
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        let c = &self.config;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
         let backend = self.backend;
-        self.for_each_head(rows, qkv, views, out, &|task, out| {
+        // The query heads that share a K/V head go in one task, which widens each key and
+        // value once for all of them; with too few tasks to keep the threads busy, one head per
+        // task. Each head's bits are the same either way.
+        let kv_tasks = rows.len() * c.kv_head_count;
+        let heads_per_task = if kv_tasks >= 2 * self.workers.threads() {
+            c.group_size()
+        } else {
+            1
+        };
+        self.for_each_head(rows, qkv, views, out, heads_per_task, &|task, out| {
             let page_size = task.view.layout().page_size_tokens;
-            let mut scores = vec![0f32; task.source.pos + 1];
-            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
-            let q: Vec<f32> = task.q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
-            for (page, scores) in scores.chunks_mut(page_size).enumerate() {
-                let keys = task.view.head(page, layer, KvKind::Key, task.kv_head);
-                attention_scores_f16(backend, &q, keys, scale, scores);
-            }
-            softmax_in_place(&mut scores);
-            out.fill(0.0);
-            for (page, weights) in scores.chunks(page_size).enumerate() {
-                let values = task.view.head(page, layer, KvKind::Value, task.kv_head);
-                attention_mix_f16(backend, weights, values, out);
-            }
+            let len = task.source.pos + 1;
+            let head = |kind| -> Vec<&[f16]> {
+                (0..len.div_ceil(page_size))
+                    .map(|p| task.view.head(p, layer, kind, task.kv_head))
+                    .collect()
+            };
+            let (keys, values) = (head(KvKind::Key), head(KvKind::Value));
+            let attention = KvHeadAttention {
+                keys: &keys,
+                values: &values,
+                page_size,
+                head_dim: c.head_dim,
+                len,
+                scale,
+            };
+            attention.run(backend, task.q, out);
         });
     }
 
@@ -339,7 +349,7 @@ impl Model {
         for row in rows {
             seq_rows[row.seq] += 1;
         }
-        self.for_each_head(rows, qkv, views, out, &|task, out| {
+        self.for_each_head(rows, qkv, views, out, 1, &|task, out| {
             let page_size = task.view.layout().page_size_tokens;
             let len = task.source.pos + 1;
             let pages = 0..len.div_ceil(page_size);
@@ -368,29 +378,40 @@ impl Model {
         });
     }
 
-    /// Runs `attend_head` once per (row, query head), spread over the workers, with that
-    /// head's output slot (`head_dim` values of `out`).
+    /// Runs `attend_heads` once per (row, run of `heads_per_task` query heads sharing one K/V
+    /// head), spread over the workers, with those heads' output slots (`head_dim` values each
+    /// of `out`).
     fn for_each_head(
         &self,
         rows: &[RowSource],
         qkv: &[f32],
         views: &[PageView],
         out: &mut [f32],
-        attend_head: &(dyn Fn(HeadTask, &mut [f32]) + Sync),
+        heads_per_task: usize,
+        attend_heads: &(dyn Fn(HeadTask, &mut [f32]) + Sync),
     ) {
         let c = &self.config;
+        assert!(
+            c.group_size().is_multiple_of(heads_per_task),
+            "a task's heads share one K/V head"
+        );
         let qkv_width = c.dim + 2 * c.kv_dim();
+        let tasks_per_row = c.head_count / heads_per_task;
+        let task_width = heads_per_task * c.head_dim;
         self.workers
-            .for_each_chunk_mut(out, c.head_dim, &|chunk, out| {
-                let (row, head) = (chunk / c.head_count, chunk % c.head_count);
+            .for_each_chunk_mut(out, task_width, &|chunk, out| {
+                let (row, first_head) = (
+                    chunk / tasks_per_row,
+                    chunk % tasks_per_row * heads_per_task,
+                );
                 let source = rows[row];
                 let task = HeadTask {
                     source,
                     view: &views[source.seq],
-                    kv_head: head / c.group_size(),
-                    q: &qkv[row * qkv_width + head * c.head_dim..][..c.head_dim],
+                    kv_head: first_head / c.group_size(),
+                    q: &qkv[row * qkv_width + first_head * c.head_dim..][..task_width],
                 };
-                attend_head(task, out);
+                attend_heads(task, out);
             });
     }
 
