@@ -164,6 +164,23 @@ mod x86 {
         }
     }
 
+    /// Prefetches ahead in both groups' streams and returns pointers to the two blocks'
+    /// weights (`qs`, the first field of either block type).
+    #[inline(always)]
+    unsafe fn start_blocks<B>(w0: &B, w1: &B, ahead: usize) -> (*const __m256i, *const __m256i) {
+        prefetch_ahead(w0, ahead);
+        prefetch_ahead(w1, ahead);
+        (
+            w0 as *const B as *const __m256i,
+            w1 as *const B as *const __m256i,
+        )
+    }
+
+    const _: () = assert!(
+        std::mem::offset_of!(Q41GroupBlock, qs) == 0
+            && std::mem::offset_of!(Q80GroupBlock, qs) == 0
+    );
+
     /// How far ahead to prefetch: the same block of the next pair of groups (which follows
     /// this pair in memory), so a pair's weights arrive while the pair before it is computed;
     /// at most `MAX_AHEAD` blocks ahead for long rows.
@@ -219,12 +236,7 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); N];
         let ahead = prefetch_distance(groups[0]);
         for (b, (w0, w1)) in groups[0].iter().zip(groups[1]).enumerate() {
-            prefetch_ahead(w0, ahead);
-            prefetch_ahead(w1, ahead);
-            let (p0, p1) = (
-                w0.qs.as_ptr() as *const __m256i,
-                w1.qs.as_ptr() as *const __m256i,
-            );
+            let (p0, p1) = start_blocks(w0, w1, ahead);
             // Plain loops, not `array::from_fn` or `map`: closures may stay out of line in a
             // `target_feature` function.
             let mut p = [_mm512_setzero_si512(); 4];
@@ -299,12 +311,7 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); N];
         let ahead = prefetch_distance(groups[0]);
         for (b, (w0, w1)) in groups[0].iter().zip(groups[1]).enumerate() {
-            prefetch_ahead(w0, ahead);
-            prefetch_ahead(w1, ahead);
-            let (p0, p1) = (
-                w0.qs.as_ptr() as *const __m256i,
-                w1.qs.as_ptr() as *const __m256i,
-            );
+            let (p0, p1) = start_blocks(w0, w1, ahead);
             // Plain loops, as in `q41_tokens`.
             let mut r = [_mm512_setzero_si512(); 8];
             for (i, r) in r.iter_mut().enumerate() {

@@ -33,6 +33,20 @@ struct HeadTask<'a> {
     q: &'a [f32],
 }
 
+impl<'a> HeadTask<'a> {
+    /// The task's K/V head in each page its row attends to (positions `0..=pos`): keys, then
+    /// values, one slice of `page_size × head_dim` f16 per page.
+    fn pages(&self, layer: usize) -> (Vec<&'a [f16]>, Vec<&'a [f16]>) {
+        let page_count = (self.source.pos + 1).div_ceil(self.view.layout().page_size_tokens);
+        let head = |kind| {
+            (0..page_count)
+                .map(|p| self.view.head(p, layer, kind, self.kv_head))
+                .collect()
+        };
+        (head(KvKind::Key), head(KvKind::Value))
+    }
+}
+
 /// Per-step activation buffers, `rows × width` each.
 struct Buffers {
     x: Vec<f32>,
@@ -310,14 +324,8 @@ impl Model {
             1
         };
         self.for_each_head(rows, qkv, views, out, heads_per_task, &|task, out| {
-            let page_size = task.view.layout().page_size_tokens;
-            let len = task.source.pos + 1;
-            let head = |kind| -> Vec<&[f16]> {
-                (0..len.div_ceil(page_size))
-                    .map(|p| task.view.head(p, layer, kind, task.kv_head))
-                    .collect()
-            };
-            let (keys, values) = (head(KvKind::Key), head(KvKind::Value));
+            let (page_size, len) = (task.view.layout().page_size_tokens, task.source.pos + 1);
+            let (keys, values) = task.pages(layer);
             let attention = KvHeadAttention {
                 keys: &keys,
                 values: &values,
@@ -350,16 +358,8 @@ impl Model {
             seq_rows[row.seq] += 1;
         }
         self.for_each_head(rows, qkv, views, out, 1, &|task, out| {
-            let page_size = task.view.layout().page_size_tokens;
-            let len = task.source.pos + 1;
-            let pages = 0..len.div_ceil(page_size);
-            let head = |kind| -> Vec<&[f16]> {
-                pages
-                    .clone()
-                    .map(|p| task.view.head(p, layer, kind, task.kv_head))
-                    .collect()
-            };
-            let (keys, values) = (head(KvKind::Key), head(KvKind::Value));
+            let (page_size, len) = (task.view.layout().page_size_tokens, task.source.pos + 1);
+            let (keys, values) = task.pages(layer);
             let attention = HeadAttention {
                 keys: &keys,
                 values: &values,
