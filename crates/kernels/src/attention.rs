@@ -39,8 +39,11 @@ impl KvHeadAttention<'_> {
 
     /// The bounds every implementation relies on: whole heads, and pages enough for `len`
     /// positions, each holding `page_size` slots.
-    fn check(&self, queries: &[f32], out: &mut [f32]) {
-        assert!(self.head_dim > 0 && self.len > 0, "a head and a position");
+    pub(crate) fn check(&self, queries: &[f32], out: &[f32]) {
+        assert!(
+            self.head_dim > 0 && self.len > 0 && self.page_size > 0,
+            "a head, a position and a page size"
+        );
         assert!(
             queries.len().is_multiple_of(self.head_dim) && out.len() == queries.len(),
             "whole query heads and an output for each"
@@ -50,7 +53,10 @@ impl KvHeadAttention<'_> {
             self.keys.len() >= pages && self.values.len() >= pages,
             "a page for every position"
         );
-        let page_elems = self.page_size * self.head_dim;
+        let page_elems = self
+            .page_size
+            .checked_mul(self.head_dim)
+            .expect("a page's size fits in memory");
         assert!(
             self.keys[..pages]
                 .iter()
@@ -61,7 +67,7 @@ impl KvHeadAttention<'_> {
     }
 
     /// One head at a time, page by page: the plain arithmetic.
-    fn run_per_head(&self, backend: Backend, queries: &[f32], out: &mut [f32]) {
+    pub(crate) fn run_per_head(&self, backend: Backend, queries: &[f32], out: &mut [f32]) {
         let heads = queries
             .chunks_exact(self.head_dim)
             .zip(out.chunks_exact_mut(self.head_dim));

@@ -94,6 +94,7 @@ thread_local! {
 /// [`KvHeadAttention::run`] in AVX2 for a `head_dim` that `attention_fits`.
 pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [f32]) {
     assert!(attention_fits(att.head_dim), "a head of whole registers");
+    att.check(queries, out);
     let (head_dim, len) = (att.head_dim, att.len);
     let heads = queries.len() / head_dim;
     ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
@@ -101,7 +102,7 @@ pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [
         scratch.resize(heads * (head_dim + len), 0.0);
         let (q16, probs) = scratch.split_at_mut(heads * head_dim);
         // SAFETY (every call below): the CPU has avx2, fma and f16c (`attention_fits`);
-        // `KvHeadAttention::run` checked that the pages hold `len` positions of `head_dim`
+        // `KvHeadAttention::check` (just above) ensured the pages hold `len` positions of `head_dim`
         // values; `q16`, `probs` and `out` hold `heads` heads of `head_dim` and `len` values.
         unsafe { x86::round_through_f16_slice(queries, q16) };
         let passes = q16

@@ -400,20 +400,27 @@ fn ggml_exact_q41_simd_equals_portable() {
     assert_eq!(bits(&via_matrix), bits(&portable));
 }
 
-/// K/V pages for `len` positions of one head (`page_size` slots each), random.
+/// K/V pages for `len` positions of one head (`page_size` slots each), random; the slots past
+/// `len` hold NaN, so a kernel that read one would give NaN.
 fn random_pages(rng: &mut Rng, len: usize, page_size: usize, head_dim: usize) -> Vec<Vec<f16>> {
-    (0..len.div_ceil(page_size))
+    let mut pages: Vec<Vec<f16>> = (0..len.div_ceil(page_size))
         .map(|_| {
             (0..page_size * head_dim)
                 .map(|_| f16::from_f32(rng.f32() * 2.0))
                 .collect()
         })
-        .collect()
+        .collect();
+    let last = pages.len() - 1;
+    let written = (len - last * page_size) * head_dim;
+    pages[last][written..].fill(f16::NAN);
+    pages
 }
 
 /// Grouped attention: every backend within float tolerance of the plain per-head arithmetic
-/// (`Scalar`), and on each backend a head's bits do not depend on how many heads shared the
-/// call, over lengths that end mid-page, on a page boundary and inside a four-key pass.
+/// (`Scalar`) and bit-equal to its own per-head page-wise kernels (the path it replaced); on
+/// each backend a head's bits do not depend on how many heads shared the call; over lengths
+/// that end mid-page, on a page boundary and inside a four-key pass, and a head size that
+/// is not whole registers (the per-head fallback).
 #[test]
 fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
     let mut rng = Rng(33);
@@ -425,6 +432,7 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
         (64, 4, 16, 130),
         (32, 3, 16, 5),
         (24, 3, 4, 11),
+        (20, 3, 4, 9),
     ] {
         let keys = random_pages(&mut rng, len, page_size, head_dim);
         let values = random_pages(&mut rng, len, page_size, head_dim);
@@ -454,13 +462,23 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
             {
                 attention.run(backend, q, out);
             }
+            let mut per_head = vec![0f32; queries.len()];
+            attention.run_per_head(backend, &queries, &mut per_head);
             let case = format!("{backend:?} head_dim {head_dim} heads {heads} len {len}");
+            for (i, (&g, &h)) in grouped.iter().zip(&per_head).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    h.to_bits(),
+                    "{case}: out[{i}] vs per-head kernels"
+                );
+            }
             for (i, ((&g, &o), &p)) in grouped.iter().zip(&one_by_one).zip(&plain).enumerate() {
                 assert_eq!(
                     g.to_bits(),
                     o.to_bits(),
                     "{case}: out[{i}] grouped vs alone"
                 );
+                assert!(g.is_finite(), "{case}: out[{i}] read a slot past len");
                 assert!((g - p).abs() < 2e-3, "{case}: out[{i}] {g} vs plain {p}");
             }
         }

@@ -207,7 +207,7 @@ mod x86 {
         if out.len() == 2 * GROUP_ROWS {
             _mm512_storeu_ps(out.as_mut_ptr(), acc);
         } else {
-            // `check_pair`: 8 rows otherwise.
+            assert_eq!(out.len(), GROUP_ROWS, "a job of one or two groups");
             _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(acc));
         }
     }
