@@ -30,6 +30,7 @@ impl KvHeadAttention<'_> {
     pub fn run(&self, backend: Backend, queries: &[f32], out: &mut [f32]) {
         self.check(queries, out);
         match backend {
+            #[cfg(target_arch = "x86_64")]
             Backend::Avx2 | Backend::Avx512Vnni if avx2::attention_fits(self.head_dim) => {
                 avx2::attend_kv_head(self, queries, out)
             }

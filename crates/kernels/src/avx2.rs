@@ -2,6 +2,7 @@
 //! the CPU's features (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
+#[cfg(target_arch = "x86_64")]
 use crate::attention::KvHeadAttention;
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
 use crate::scalar;
@@ -17,7 +18,7 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
     if cpu_ok() {
         let mut token = job.tokens.start;
         while token + 4 <= job.tokens.end {
-            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded tokens and output.
+            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded the job.
             unsafe { x86::q41_tokens::<4>(group, &mut job, token) };
             token += 4;
         }
@@ -92,6 +93,7 @@ thread_local! {
 }
 
 /// [`KvHeadAttention::run`] in AVX2 for a `head_dim` that `attention_fits`.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [f32]) {
     assert!(attention_fits(att.head_dim), "a head of whole registers");
     att.check(queries, out);
@@ -102,9 +104,11 @@ pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [
         scratch.resize(heads * (head_dim + len), 0.0);
         let (q16, probs) = scratch.split_at_mut(heads * head_dim);
         // SAFETY (every call below): the CPU has avx2, fma and f16c (`attention_fits`);
-        // `KvHeadAttention::check` (just above) ensured the pages hold `len` positions of `head_dim`
-        // values; `q16`, `probs` and `out` hold `heads` heads of `head_dim` and `len` values.
-        unsafe { x86::round_through_f16_slice(queries, q16) };
+        // `KvHeadAttention::check` (just above) ensured the pages hold `len` positions of
+        // `head_dim` values; `q16`, `probs` and `out` hold `heads` heads of `head_dim` and `len`
+        // values. The reference multiplies Q against the f16 cache in f16: round Q the same way.
+        q16.copy_from_slice(queries);
+        unsafe { x86::round_through_f16_in_place(q16) };
         let passes = q16
             .chunks(HEADS_PER_PASS * head_dim)
             .zip(probs.chunks_mut(HEADS_PER_PASS * len));
@@ -118,7 +122,9 @@ pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [
             }
         }
         for probs in probs.chunks_exact_mut(len) {
-            unsafe { x86::softmax_to_f16(probs) };
+            // Probabilities rounded to f16, as the reference multiplies them by V in f16.
+            crate::ops::softmax_in_place(probs);
+            unsafe { x86::round_through_f16_in_place(probs) };
         }
         let passes = probs
             .chunks(HEADS_PER_PASS * len)
@@ -385,20 +391,21 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    /// Rounds each value of `x` to f16 and back into `out` (as long as `x`).
+    /// Rounds each value of `x` to f16 and back, in place.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `out.len() == x.len()`.
+    /// The CPU must support avx2, fma and f16c.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn round_through_f16_slice(x: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn round_through_f16_in_place(x: &mut [f32]) {
         let whole = x.len() / 8 * 8;
+        let ptr = x.as_mut_ptr();
         for i in (0..whole).step_by(8) {
-            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let v = _mm256_loadu_ps(ptr.add(i));
             let r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-            _mm256_storeu_ps(out.as_mut_ptr().add(i), r);
+            _mm256_storeu_ps(ptr.add(i), r);
         }
-        for i in whole..x.len() {
-            out[i] = round_through_f16(x[i]);
+        for v in &mut x[whole..] {
+            *v = round_through_f16(*v);
         }
     }
 
@@ -488,26 +495,6 @@ mod x86 {
                 }
                 i += 1;
             }
-        }
-    }
-
-    /// `ops::softmax_in_place` (libm's `expf`, an f64 sum: the same bits), then each
-    /// probability rounded to f16 as the reference multiplies them by V in f16.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn softmax_to_f16(p: &mut [f32]) {
-        crate::ops::softmax_in_place(p);
-        let whole = p.len() / 8 * 8;
-        let ptr = p.as_mut_ptr();
-        for i in (0..whole).step_by(8) {
-            let v = _mm256_loadu_ps(ptr.add(i));
-            let r = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-            _mm256_storeu_ps(ptr.add(i), r);
-        }
-        for v in &mut p[whole..] {
-            *v = round_through_f16(*v);
         }
     }
 
