@@ -78,7 +78,7 @@ impl KvHeadAttention<'_> {
             for (page, scores) in scores.chunks_mut(self.page_size).enumerate() {
                 ops::attention_scores_f16(backend, &q, self.keys[page], self.scale, scores);
             }
-            ops::softmax_in_place(&mut scores);
+            ops::softmax_in_place(backend, &mut scores);
             out.fill(0.0);
             for (page, weights) in scores.chunks(self.page_size).enumerate() {
                 ops::attention_mix_f16(backend, weights, self.values[page], out);

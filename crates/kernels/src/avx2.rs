@@ -123,7 +123,7 @@ pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [
         }
         for probs in probs.chunks_exact_mut(len) {
             // Probabilities rounded to f16, as the reference multiplies them by V in f16.
-            crate::ops::softmax_in_place(probs);
+            crate::ops::softmax_in_place(crate::Backend::Avx2, probs);
             unsafe { x86::round_through_f16_in_place(probs) };
         }
         let passes = probs

@@ -42,6 +42,12 @@ impl Backend {
         backends
     }
 
+    /// Whether `self` runs the AVX2 element-wise kernels here (a fast backend, on a CPU that
+    /// has AVX2, FMA and F16C).
+    pub(crate) fn uses_avx2(self) -> bool {
+        matches!(self, Backend::Avx2 | Backend::Avx512Vnni) && has_avx2()
+    }
+
     /// Whether this CPU can run `self` (`GgmlExact` is portable Rust, like `Scalar`).
     pub fn is_supported(self) -> bool {
         self.ggml_build().is_some() || Backend::available().contains(&self)

@@ -13,6 +13,7 @@
 mod attention;
 mod avx2;
 mod backend;
+mod expf;
 pub mod ggml_exact;
 mod matrix;
 mod ops;
@@ -23,6 +24,7 @@ mod workers;
 
 pub use attention::KvHeadAttention;
 pub use backend::Backend;
+pub use expf::expf;
 pub use matrix::{QuantMatrix, WeightFormat};
 pub use ops::{
     add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rope_in_place, silu_mul,

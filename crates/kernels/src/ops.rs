@@ -2,6 +2,7 @@
 //! CPU reference where it affects results (f64 sums in RMSNorm and softmax, f32 RoPE angles
 //! built by repeated multiplication), so greedy decoding can match it token for token.
 
+use crate::expf::{self, expf};
 use crate::{avx2, scalar, Backend};
 use half::f16;
 
@@ -25,26 +26,44 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
     }
 }
 
-/// `gate = silu(gate) * up`, the SwiGLU activation.
-pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+/// `gate = silu(gate) * up`, the SwiGLU activation. Every backend gets the same bits.
+pub fn silu_mul(backend: Backend, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gate and up have equal length");
+    #[cfg(target_arch = "x86_64")]
+    if backend.uses_avx2() {
+        // SAFETY: the backend runs only where the CPU has avx2 and fma; the lengths are equal.
+        unsafe { expf::x86::silu_mul(gate, up) };
+        return;
+    }
     for (g, &u) in gate.iter_mut().zip(up) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
+        *g = *g / (1.0 + expf(-*g)) * u;
     }
 }
 
-/// Softmax in place; returns nothing, the row sums to 1 afterwards.
-pub fn softmax_in_place(x: &mut [f32]) {
+/// Softmax in place; returns nothing, the row sums to 1 afterwards. Every backend gets the
+/// same bits.
+pub fn softmax_in_place(backend: Backend, x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
+    let sum = exp_shifted_sum(backend, x, max);
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
     }
+}
+
+/// `x[i] = e^(x[i] − shift)`, returning Σ x[i] summed in f64 in index order.
+fn exp_shifted_sum(backend: Backend, x: &mut [f32], shift: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if backend.uses_avx2() {
+        // SAFETY: the backend runs only where the CPU has avx2 and fma.
+        return unsafe { expf::x86::exp_shifted_sum(x, shift) };
+    }
+    let mut sum = 0f64;
+    for v in x.iter_mut() {
+        *v = expf(*v - shift);
+        sum += *v as f64;
+    }
+    sum
 }
 
 /// `scores[i] = scale * (q · keys[i])` for each `q.len()`-wide key in `keys` (f16, the KV

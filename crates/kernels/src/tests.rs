@@ -343,7 +343,7 @@ fn rms_norm_and_softmax_basics() {
     rms_norm(&[1.0, -1.0, 1.0, -1.0], &[2.0; 4], 0.0, &mut out);
     assert_eq!(out, vec![2.0, -2.0, 2.0, -2.0]);
     let mut p = vec![0.0, 0.0, f32::NEG_INFINITY, 2f32.ln()];
-    softmax_in_place(&mut p);
+    softmax_in_place(Backend::Scalar, &mut p);
     assert!((p[0] - 0.25).abs() < 1e-6 && p[2] == 0.0 && (p[3] - 0.5).abs() < 1e-6);
 }
 

@@ -286,7 +286,7 @@ impl Model {
             if let Some(build) = self.exact() {
                 ggml_exact::silu_mul(build, gate, up);
             } else {
-                silu_mul(gate, up);
+                silu_mul(self.backend, gate, up);
             }
             hidden.copy_from_slice(gate);
         }
