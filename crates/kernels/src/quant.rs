@@ -45,25 +45,44 @@ impl QuantActs {
 /// its allocation.
 pub fn quantize_acts(x: &[f32], rows: usize, cols: usize, out: &mut QuantActs) {
     assert_eq!(
-        cols % BLOCK,
-        0,
-        "activation width must be a multiple of the block size"
-    );
-    assert_eq!(
         x.len(),
         rows * cols,
         "activation buffer must hold rows*cols values"
     );
-    out.rows = rows;
-    out.blocks_per_row = cols / BLOCK;
-    out.blocks.clear();
+    quantize_row(x, out.reshape(rows, cols));
+}
+
+impl QuantActs {
+    /// Shapes `self` for `rows` rows of `cols` values (a multiple of 32) and returns its
+    /// blocks, `cols / 32` per row, to be filled by [`quantize_row`] (rows may be filled in
+    /// parallel through `chunks_mut`). Reuses the allocation.
+    pub fn reshape(&mut self, rows: usize, cols: usize) -> &mut [ActBlock] {
+        assert_eq!(
+            cols % BLOCK,
+            0,
+            "activation width must be a multiple of the block size"
+        );
+        self.rows = rows;
+        self.blocks_per_row = cols / BLOCK;
+        self.blocks.clear();
+        self.blocks
+            .resize(rows * self.blocks_per_row, ActBlock::default());
+        &mut self.blocks
+    }
+}
+
+/// Quantizes `x` into `out`, one block per 32 values (`x` may hold several rows).
+pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
+    assert_eq!(x.len(), out.len() * BLOCK, "a block for every 32 values");
     #[cfg(target_arch = "x86_64")]
     if crate::backend::has_avx2() {
         // SAFETY: the CPU has avx2, fma and f16c (checked just above).
-        unsafe { quantize_blocks_avx2(x, &mut out.blocks) };
+        unsafe { quantize_blocks_avx2(x, out) };
         return;
     }
-    out.blocks.extend(x.chunks_exact(BLOCK).map(quantize_block));
+    for (block, x) in out.iter_mut().zip(x.chunks_exact(BLOCK)) {
+        *block = quantize_block(x);
+    }
 }
 
 /// `quantize_acts` without SIMD: what the SIMD version must reproduce.
@@ -81,13 +100,12 @@ pub(crate) fn quantize_acts_portable(x: &[f32], cols: usize) -> Vec<ActBlock> {
 /// The CPU must support avx2, fma and f16c.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_blocks_avx2(x: &[f32], out: &mut Vec<ActBlock>) {
+unsafe fn quantize_blocks_avx2(x: &[f32], out: &mut [ActBlock]) {
     use std::arch::x86_64::*;
     let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
     // `packs` interleaves 128-bit lanes; this puts the 32 bytes back in order.
     let byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    out.reserve(x.len() / BLOCK);
-    for chunk in x.chunks_exact(BLOCK) {
+    for (chunk, block) in x.chunks_exact(BLOCK).zip(out) {
         let mut v = [_mm256_setzero_ps(); 4];
         for (i, v) in v.iter_mut().enumerate() {
             // SAFETY: `chunk` holds 32 floats: four unaligned loads of 8 stay inside it.
@@ -121,7 +139,6 @@ unsafe fn quantize_blocks_avx2(x: &[f32], out: &mut Vec<ActBlock>) {
             _mm256_packs_epi32(q[0], q[1]),
             _mm256_packs_epi32(q[2], q[3]),
         );
-        let mut block = ActBlock::default();
         // SAFETY: `qs` is 32 bytes, exactly one unaligned 256-bit store.
         unsafe {
             _mm256_storeu_si256(
@@ -132,7 +149,6 @@ unsafe fn quantize_blocks_avx2(x: &[f32], out: &mut Vec<ActBlock>) {
         block.d = f16::from_f32(d).to_f32();
         block.s = f16::from_f32(d * sum as f32).to_f32();
         block.qsum = sum;
-        out.push(block);
     }
 }
 

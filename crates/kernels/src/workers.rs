@@ -149,6 +149,34 @@ impl Workers {
             task(i, &mut chunk);
         });
     }
+
+    /// Runs `task(i, a_i, b_i)` for each pair of matching chunks, `a_i` of `a_len` items of
+    /// `a` and `b_i` of `b_len` items of `b` (both slices must split into as many chunks),
+    /// spread over the threads.
+    pub fn for_each_chunk_pair_mut<A: Send, B: Send>(
+        &self,
+        (a, a_len): (&mut [A], usize),
+        (b, b_len): (&mut [B], usize),
+        task: impl Fn(usize, &mut [A], &mut [B]) + Sync,
+    ) {
+        let (a_len, b_len) = (a_len.max(1), b_len.max(1));
+        assert_eq!(
+            a.len().div_ceil(a_len),
+            b.len().div_ceil(b_len),
+            "as many chunks of each"
+        );
+        // As in `for_each_chunk_mut`: a lock per pair hands out the disjoint `&mut`s.
+        let pairs: Vec<Mutex<(&mut [A], &mut [B])>> = a
+            .chunks_mut(a_len)
+            .zip(b.chunks_mut(b_len))
+            .map(Mutex::new)
+            .collect();
+        self.for_each(pairs.len(), &|i| {
+            let mut pair = pairs[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (a, b) = &mut *pair;
+            task(i, a, b);
+        });
+    }
 }
 
 fn wait_until(condition: impl Fn() -> bool) {
@@ -260,6 +288,23 @@ mod tests {
             }
         });
         assert!(data.iter().enumerate().all(|(i, &v)| v == i));
+    }
+
+    #[test]
+    fn chunk_pairs_match_up_and_cover_both_slices() {
+        let workers = Workers::new(2);
+        let (mut rows, mut sums) = (vec![1usize; 3 * 50], vec![0usize; 50]);
+        workers.for_each_chunk_pair_mut((&mut rows, 3 * 4), (&mut sums, 4), |chunk, rows, sums| {
+            for (i, (row, sum)) in rows.chunks_mut(3).zip(sums).enumerate() {
+                row[0] = chunk * 4 + i;
+                *sum = row.iter().sum();
+            }
+        });
+        assert!(sums.iter().enumerate().all(|(i, &s)| s == i + 2));
+        let unequal = catch_unwind(AssertUnwindSafe(|| {
+            workers.for_each_chunk_pair_mut((&mut rows, 3), (&mut sums, 2), |_, _, _| {});
+        }));
+        assert!(unequal.is_err(), "50 rows against 25 pairs of sums");
     }
 
     #[test]

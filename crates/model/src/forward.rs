@@ -3,8 +3,11 @@
 use crate::{Error, Model, Result};
 use half::f16;
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
-use kernels::{add_in_place, quantize_acts, rms_norm, silu_mul, KvHeadAttention, QuantActs};
+use kernels::{
+    add_in_place, quantize_acts, quantize_row, rms_norm, silu_mul, KvHeadAttention, QuantActs,
+};
 use kv::{KvKind, PagePool, PageTable, PageView};
+use std::sync::Mutex;
 
 /// One sequence's part of a batched step: `tokens` go at positions `start_pos..`, with K/V
 /// stored in (and attention reading from) the pages of `table`.
@@ -213,11 +216,83 @@ impl Model {
         }
     }
 
-    fn norm_rows(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
+    /// `normed = rms_norm(x) · weight` row by row, quantized into `acts`.
+    fn norm_and_quantize(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        normed: &mut [f32],
+        acts: &mut QuantActs,
+    ) {
         let dim = self.config.dim;
-        for (row, normed) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-            self.rms_norm(row, weight, normed);
+        self.fill_and_quantize(normed, dim, acts, &|row, normed| {
+            self.rms_norm(&x[row * dim..][..dim], weight, normed)
+        });
+    }
+
+    /// Runs `fill(row, out_row)` on each `cols`-wide row of `out`, then quantizes the rows into
+    /// `acts`: a few rows per task, spread over the workers (this per-row glue between matmuls
+    /// would otherwise leave all threads but one waiting).
+    fn fill_and_quantize(
+        &self,
+        out: &mut [f32],
+        cols: usize,
+        acts: &mut QuantActs,
+        fill: &(dyn Fn(usize, &mut [f32]) + Sync),
+    ) {
+        let rows = out.len() / cols;
+        let blocks = acts.reshape(rows, cols);
+        let rows_per_task = rows.div_ceil(4 * self.workers.threads());
+        self.workers.for_each_chunk_pair_mut(
+            (out, rows_per_task * cols),
+            (blocks, rows_per_task * cols / kernels::BLOCK),
+            |task, out, blocks| {
+                for (i, row) in out.chunks_exact_mut(cols).enumerate() {
+                    fill(task * rows_per_task + i, row);
+                }
+                quantize_row(out, blocks);
+            },
+        );
+    }
+
+    /// Rotates each row's Q and K (RoPE at the row's position) and stores its K and V in its
+    /// sequence's pages: one task per sequence, spread over the workers.
+    fn rotate_and_store_kv(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        qkv: &mut [f32],
+        views: &mut [PageView],
+    ) {
+        let c = &self.config;
+        let qkv_width = c.dim + 2 * c.kv_dim();
+        let mut rest = qkv;
+        let mut first_row = 0;
+        let mut tasks = Vec::with_capacity(views.len());
+        for (seq, view) in views.iter_mut().enumerate() {
+            let n = rows[first_row..]
+                .iter()
+                .take_while(|r| r.seq == seq)
+                .count();
+            let (mine, after) = std::mem::take(&mut rest).split_at_mut(n * qkv_width);
+            tasks.push(Mutex::new((&rows[first_row..first_row + n], mine, view)));
+            (rest, first_row) = (after, first_row + n);
         }
+        self.workers.for_each(tasks.len(), &|task| {
+            let mut task = tasks[task].lock().unwrap_or_else(|e| e.into_inner());
+            let (rows, qkv, view) = &mut *task;
+            for (row, source) in qkv.chunks_exact_mut(qkv_width).zip(rows.iter()) {
+                let (q, kv) = row.split_at_mut(c.dim);
+                if self.exact().is_some() {
+                    ggml_exact::rope(&self.rope, q, source.pos);
+                    ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
+                } else {
+                    self.rope.apply(q, source.pos);
+                    self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+                }
+                store_kv(view, layer, source.pos, kv, c.head_dim);
+            }
+        });
     }
 
     /// The llama.cpp build whose arithmetic this model reproduces (`ggml-exact` kernels).
@@ -242,26 +317,13 @@ impl Model {
     ) {
         let c = &self.config;
         let weights = &self.layers[layer];
-        let n = rows.len();
-        self.norm_rows(&b.x, &weights.attn_norm, &mut b.normed);
-        quantize_acts(&b.normed, n, c.dim, &mut b.acts);
+        self.norm_and_quantize(&b.x, &weights.attn_norm, &mut b.normed, &mut b.acts);
         weights
             .qkv
             .matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
-        let qkv_width = c.dim + 2 * c.kv_dim();
-        for (row, source) in b.qkv.chunks_exact_mut(qkv_width).zip(rows) {
-            let (q, kv) = row.split_at_mut(c.dim);
-            if self.exact().is_some() {
-                ggml_exact::rope(&self.rope, q, source.pos);
-                ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
-            } else {
-                self.rope.apply(q, source.pos);
-                self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
-            }
-            store_kv(&mut views[source.seq], layer, source.pos, kv, c.head_dim);
-        }
+        self.rotate_and_store_kv(layer, rows, &mut b.qkv, views);
         self.attend(layer, rows, &b.qkv, views, &mut b.attn);
-        quantize_acts(&b.attn, n, c.dim, &mut b.acts);
+        self.fill_and_quantize(&mut b.attn, c.dim, &mut b.acts, &|_, _| {});
         weights
             .attn_output
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
@@ -271,26 +333,20 @@ impl Model {
     fn ffn_block(&self, layer: usize, b: &mut Buffers) {
         let c = &self.config;
         let weights = &self.layers[layer];
-        let n = b.x.len() / c.dim;
-        self.norm_rows(&b.x, &weights.ffn_norm, &mut b.normed);
-        quantize_acts(&b.normed, n, c.dim, &mut b.acts);
+        self.norm_and_quantize(&b.x, &weights.ffn_norm, &mut b.normed, &mut b.acts);
         weights
             .gate_up
             .matmul(self.backend, &self.workers, &b.acts, &mut b.gate_up);
-        let rows = b
-            .gate_up
-            .chunks_exact_mut(2 * c.ffn_dim)
-            .zip(b.hidden.chunks_exact_mut(c.ffn_dim));
-        for (gate_up, hidden) in rows {
-            let (gate, up) = gate_up.split_at_mut(c.ffn_dim);
-            if let Some(build) = self.exact() {
-                ggml_exact::silu_mul(build, gate, up);
-            } else {
-                silu_mul(self.backend, gate, up);
-            }
+        let gate_up = &b.gate_up;
+        self.fill_and_quantize(&mut b.hidden, c.ffn_dim, &mut b.acts, &|row, hidden| {
+            let (gate, up) = gate_up[row * 2 * c.ffn_dim..][..2 * c.ffn_dim].split_at(c.ffn_dim);
             hidden.copy_from_slice(gate);
-        }
-        quantize_acts(&b.hidden, n, c.ffn_dim, &mut b.acts);
+            if let Some(build) = self.exact() {
+                ggml_exact::silu_mul(build, hidden, up);
+            } else {
+                silu_mul(self.backend, hidden, up);
+            }
+        });
         weights
             .down
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
