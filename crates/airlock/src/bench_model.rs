@@ -62,25 +62,33 @@ pub fn run(args: Args) -> Result<()> {
         args.reps,
         cores()
     );
+    let largest = args.batches.iter().copied().max().unwrap_or(1);
     println!(
-        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode",
+        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode | b{largest} / b1",
         args.prefill_tokens
     );
     for (f, peer) in &rows {
-        let b1 = f
-            .decode_tok_s
-            .iter()
-            .find(|(b, _)| *b == 1)
-            .map_or(f64::NAN, |x| x.1);
-        let (rp, rd) = peer.as_ref().map_or((f64::NAN, f64::NAN), |p| {
-            (f.prefill_tok_s / p.prefill_tok_s, b1 / p.decode_tok_s)
-        });
+        let batch = |size| f.decode_tok_s.iter().find(|(b, _)| *b == size).map(|x| x.1);
+        let b1 = batch(1);
+        let rp = peer.as_ref().map(|p| f.prefill_tok_s / p.prefill_tok_s);
+        let rd = peer.as_ref().zip(b1).map(|(p, b1)| b1 / p.decode_tok_s);
+        let scaling = batch(largest).zip(b1).map(|(b, b1)| b / b1);
         println!(
-            "{:7} | {:17.1} | {:15.1} | {:12.2}x | {:11.2}x",
-            f.threads, f.prefill_tok_s, b1, rp, rd
+            "{:7} | {:17.1} | {:>15} | {:>13} | {:>12} | {:>8}",
+            f.threads,
+            f.prefill_tok_s,
+            cell(b1, "", 1),
+            cell(rp, "x", 2),
+            cell(rd, "x", 2),
+            cell(scaling, "x", 2),
         );
     }
     Ok(())
+}
+
+/// A figure for the summary, or "-" where it was not measured (no peer, no batch 1).
+fn cell(value: Option<f64>, unit: &str, decimals: usize) -> String {
+    value.map_or_else(|| "-".to_string(), |v| format!("{v:.decimals$}{unit}"))
 }
 
 fn cores() -> usize {
