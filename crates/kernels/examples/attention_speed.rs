@@ -56,14 +56,15 @@ fn main() {
         .collect();
     let mut out = vec![0f32; GROUP * HEAD_DIM];
     let backend = Backend::detect();
+    // (layer, sequence, K/V head) in the order a step runs them.
+    let tasks: Vec<(usize, usize, usize)> = (0..LAYERS)
+        .flat_map(|l| (0..seqs).flat_map(move |s| (0..KV_HEADS).map(move |h| (l, s, h))))
+        .collect();
     let mut times = Vec::new();
     for rep in 0..reps + 1 {
         // Different sequences each rep (a fresh offset into the pool), so nothing is cached.
         let offset = if cached { 0 } else { rep * seqs };
         let started = Instant::now();
-        let tasks: Vec<(usize, usize, usize)> = (0..LAYERS)
-            .flat_map(|l| (0..seqs).flat_map(move |s| (0..KV_HEADS).map(move |h| (l, s, h))))
-            .collect();
         let lists = |&(layer, seq, kv_head): &(usize, usize, usize)| {
             let page = |p| &pool[table(seq + offset, p)][..];
             let keys: Vec<&[f16]> = (0..pages_per_seq)

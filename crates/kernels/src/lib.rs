@@ -30,7 +30,7 @@ pub use ops::{
     add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rope_in_place, silu_mul,
     softmax_in_place, RopeTable,
 };
-pub use quant::{quantize_acts, quantize_row, ActBlock, QuantActs, BLOCK};
+pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::Workers;
 
 /// Errors from building kernels' data structures out of untrusted bytes.

@@ -39,6 +39,23 @@ impl QuantActs {
     pub fn row(&self, row: usize) -> &[ActBlock] {
         &self.blocks[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
+
+    /// Shapes `self` for `rows` rows of `cols` values (a multiple of 32) and returns its
+    /// blocks, `cols / 32` per row, each of which the caller must fill with
+    /// [`quantize_blocks`] (they may hold an earlier batch's values until then; rows may be
+    /// filled in parallel through `chunks_mut`). Reuses the allocation.
+    pub fn reshape(&mut self, rows: usize, cols: usize) -> &mut [ActBlock] {
+        assert_eq!(
+            cols % BLOCK,
+            0,
+            "activation width must be a multiple of the block size"
+        );
+        self.rows = rows;
+        self.blocks_per_row = cols / BLOCK;
+        self.blocks
+            .resize(rows * self.blocks_per_row, ActBlock::default());
+        &mut self.blocks
+    }
 }
 
 /// Quantizes `x` (`rows` rows of `cols` values, `cols` a multiple of 32) into `out`, reusing
@@ -49,30 +66,11 @@ pub fn quantize_acts(x: &[f32], rows: usize, cols: usize, out: &mut QuantActs) {
         rows * cols,
         "activation buffer must hold rows*cols values"
     );
-    quantize_row(x, out.reshape(rows, cols));
-}
-
-impl QuantActs {
-    /// Shapes `self` for `rows` rows of `cols` values (a multiple of 32) and returns its
-    /// blocks, `cols / 32` per row, to be filled by [`quantize_row`] (rows may be filled in
-    /// parallel through `chunks_mut`). Reuses the allocation.
-    pub fn reshape(&mut self, rows: usize, cols: usize) -> &mut [ActBlock] {
-        assert_eq!(
-            cols % BLOCK,
-            0,
-            "activation width must be a multiple of the block size"
-        );
-        self.rows = rows;
-        self.blocks_per_row = cols / BLOCK;
-        self.blocks.clear();
-        self.blocks
-            .resize(rows * self.blocks_per_row, ActBlock::default());
-        &mut self.blocks
-    }
+    quantize_blocks(x, out.reshape(rows, cols));
 }
 
 /// Quantizes `x` into `out`, one block per 32 values (`x` may hold several rows).
-pub fn quantize_row(x: &[f32], out: &mut [ActBlock]) {
+pub fn quantize_blocks(x: &[f32], out: &mut [ActBlock]) {
     assert_eq!(x.len(), out.len() * BLOCK, "a block for every 32 values");
     #[cfg(target_arch = "x86_64")]
     if crate::backend::has_avx2() {

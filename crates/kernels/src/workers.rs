@@ -133,6 +133,17 @@ impl Workers {
         }
     }
 
+    /// Runs `task(i, &mut items[i])` for every item, spread over the threads: each task gets
+    /// its own item mutably.
+    pub fn for_each_item_mut<T: Send>(&self, items: &mut [T], task: impl Fn(usize, &mut T) + Sync) {
+        // One uncontended lock per item hands each task its disjoint `&mut` safely.
+        let items: Vec<Mutex<&mut T>> = items.iter_mut().map(Mutex::new).collect();
+        self.for_each(items.len(), &|i| {
+            let mut item = items[i].lock().unwrap_or_else(|e| e.into_inner());
+            task(i, &mut item);
+        });
+    }
+
     /// Splits `data` into `chunk_len`-sized chunks (the last may be shorter) and runs
     /// `task(chunk_index, chunk)` for each, spread over the threads.
     pub fn for_each_chunk_mut<T: Send>(
@@ -141,13 +152,8 @@ impl Workers {
         chunk_len: usize,
         task: &(dyn Fn(usize, &mut [T]) + Sync),
     ) {
-        // One uncontended lock per chunk hands each task its disjoint `&mut` safely.
-        let chunks: Vec<Mutex<&mut [T]>> =
-            data.chunks_mut(chunk_len.max(1)).map(Mutex::new).collect();
-        self.for_each(chunks.len(), &|i| {
-            let mut chunk = chunks[i].lock().unwrap_or_else(|e| e.into_inner());
-            task(i, &mut chunk);
-        });
+        let mut chunks: Vec<&mut [T]> = data.chunks_mut(chunk_len.max(1)).collect();
+        self.for_each_item_mut(&mut chunks, |i, chunk| task(i, chunk));
     }
 
     /// Runs `task(i, a_i, b_i)` for each pair of matching chunks, `a_i` of `a_len` items of
@@ -165,17 +171,9 @@ impl Workers {
             b.len().div_ceil(b_len),
             "as many chunks of each"
         );
-        // As in `for_each_chunk_mut`: a lock per pair hands out the disjoint `&mut`s.
-        let pairs: Vec<Mutex<(&mut [A], &mut [B])>> = a
-            .chunks_mut(a_len)
-            .zip(b.chunks_mut(b_len))
-            .map(Mutex::new)
-            .collect();
-        self.for_each(pairs.len(), &|i| {
-            let mut pair = pairs[i].lock().unwrap_or_else(|e| e.into_inner());
-            let (a, b) = &mut *pair;
-            task(i, a, b);
-        });
+        let mut pairs: Vec<(&mut [A], &mut [B])> =
+            a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).collect();
+        self.for_each_item_mut(&mut pairs, |i, (a, b)| task(i, a, b));
     }
 }
 

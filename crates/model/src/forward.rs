@@ -4,10 +4,9 @@ use crate::{Error, Model, Result};
 use half::f16;
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
 use kernels::{
-    add_in_place, quantize_acts, quantize_row, rms_norm, silu_mul, KvHeadAttention, QuantActs,
+    add_in_place, quantize_acts, quantize_blocks, rms_norm, silu_mul, KvHeadAttention, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
-use std::sync::Mutex;
 
 /// One sequence's part of a batched step: `tokens` go at positions `start_pos..`, with K/V
 /// stored in (and attention reading from) the pages of `table`.
@@ -250,7 +249,7 @@ impl Model {
                 for (i, row) in out.chunks_exact_mut(cols).enumerate() {
                     fill(task * rows_per_task + i, row);
                 }
-                quantize_row(out, blocks);
+                quantize_blocks(out, blocks);
             },
         );
     }
@@ -275,24 +274,23 @@ impl Model {
                 .take_while(|r| r.seq == seq)
                 .count();
             let (mine, after) = std::mem::take(&mut rest).split_at_mut(n * qkv_width);
-            tasks.push(Mutex::new((&rows[first_row..first_row + n], mine, view)));
+            tasks.push((&rows[first_row..first_row + n], mine, view));
             (rest, first_row) = (after, first_row + n);
         }
-        self.workers.for_each(tasks.len(), &|task| {
-            let mut task = tasks[task].lock().unwrap_or_else(|e| e.into_inner());
-            let (rows, qkv, view) = &mut *task;
-            for (row, source) in qkv.chunks_exact_mut(qkv_width).zip(rows.iter()) {
-                let (q, kv) = row.split_at_mut(c.dim);
-                if self.exact().is_some() {
-                    ggml_exact::rope(&self.rope, q, source.pos);
-                    ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
-                } else {
-                    self.rope.apply(q, source.pos);
-                    self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+        self.workers
+            .for_each_item_mut(&mut tasks, |_, (rows, qkv, view)| {
+                for (row, source) in qkv.chunks_exact_mut(qkv_width).zip(rows.iter()) {
+                    let (q, kv) = row.split_at_mut(c.dim);
+                    if self.exact().is_some() {
+                        ggml_exact::rope(&self.rope, q, source.pos);
+                        ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
+                    } else {
+                        self.rope.apply(q, source.pos);
+                        self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
+                    }
+                    store_kv(view, layer, source.pos, kv, c.head_dim);
                 }
-                store_kv(view, layer, source.pos, kv, c.head_dim);
-            }
-        });
+            });
     }
 
     /// The llama.cpp build whose arithmetic this model reproduces (`ggml-exact` kernels).
