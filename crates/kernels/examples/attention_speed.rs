@@ -5,6 +5,8 @@
 //! Prints the median step time and the K/V bytes read per second. On the 2026-12-04 machine:
 //! 16 × 80 about 5 ms per step (5.5–6 GB/s, ~3.6 µs per task); with 2 sequences kept
 //! cached (`CACHED=1 … 2 80`) ~1.7 µs per task: at batch 16, attention waits on memory.
+//! The pool is a huge-page buffer like the real one; `SMALL_PAGES=1` puts it on 4 KiB pages
+//! (no difference measured: TLB misses are not what attention waits on).
 
 use half::f16;
 use kernels::{Backend, KvHeadAttention};
@@ -41,13 +43,18 @@ fn main() {
     if pool_pages.is_multiple_of(7919) {
         pool_pages += 1;
     }
-    let pool: Vec<Vec<f16>> = (0..pool_pages)
-        .map(|p| {
-            (0..page_elems)
-                .map(|i| f16::from_f32(((p * 31 + i * 7) % 97) as f32 / 97.0 - 0.5))
-                .collect()
-        })
-        .collect();
+    // One buffer of pages, as the pool's: advised for huge pages, or with `SMALL_PAGES=1` a
+    // plain heap buffer on 4 KiB pages, to compare.
+    let mut pool: Box<dyn std::ops::DerefMut<Target = [f16]>> =
+        if std::env::var_os("SMALL_PAGES").is_some() {
+            Box::new(vec![f16::ZERO; pool_pages * page_elems])
+        } else {
+            Box::new(hugemem::HugeBuffer::<f16>::zeroed(pool_pages * page_elems))
+        };
+    for (i, value) in pool.iter_mut().enumerate() {
+        let (p, i) = (i / page_elems, i % page_elems);
+        *value = f16::from_f32(((p * 31 + i * 7) % 97) as f32 / 97.0 - 0.5);
+    }
     // Scattered page tables: sequence s, page p → a pool page, all distinct (7919 is prime
     // and does not divide the pool's size).
     let table = |s: usize, p: usize| (s * pages_per_seq + p) * 7919 % pool_pages;
@@ -66,7 +73,10 @@ fn main() {
         let offset = if cached { 0 } else { rep * seqs };
         let started = Instant::now();
         let lists = |&(layer, seq, kv_head): &(usize, usize, usize)| {
-            let page = |p| &pool[table(seq + offset, p)][..];
+            let page = |p| {
+                let start = table(seq + offset, p) * page_elems;
+                &pool[start..start + page_elems]
+            };
             let keys: Vec<&[f16]> = (0..pages_per_seq)
                 .map(|p| head(page(p), layer, 0, kv_head))
                 .collect();

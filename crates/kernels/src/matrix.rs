@@ -7,7 +7,9 @@
 //! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
 
 use crate::{avx2, ggml_exact, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
-use std::ops::Range;
+use hugemem::HugeBuffer;
+use std::ops::{Deref, Range};
+use std::sync::Arc;
 
 /// Rows per group: one AVX2 register of f32 results.
 pub(crate) const GROUP_ROWS: usize = 8;
@@ -46,10 +48,63 @@ pub(crate) struct Q80GroupBlock {
     pub d: [u16; 8],
 }
 
+// SAFETY: both are arrays of integers only; all-zero bytes are a valid value of each.
+unsafe impl bytemuck::Zeroable for Q41GroupBlock {}
+// SAFETY: as above.
+unsafe impl bytemuck::Zeroable for Q80GroupBlock {}
+
 #[derive(Clone)]
 enum Storage {
-    Q41(Vec<Q41GroupBlock>),
-    Q80(Vec<Q80GroupBlock>),
+    Q41(Blocks<Q41GroupBlock>),
+    Q80(Blocks<Q80GroupBlock>),
+}
+
+/// A matrix's packed blocks: its range of a buffer that may hold other matrices' blocks too
+/// (see [`QuantMatrix::share_buffers`]). Immutable once built, so sharing needs no lock.
+#[derive(Clone)]
+struct Blocks<T> {
+    buffer: Arc<HugeBuffer<T>>,
+    range: Range<usize>,
+}
+
+impl<T: bytemuck::Zeroable + Copy> Blocks<T> {
+    /// `len` blocks in a buffer of their own, `pack(i)` giving block `i`.
+    fn packed(len: usize, pack: impl Fn(usize) -> T) -> Blocks<T> {
+        let mut buffer = HugeBuffer::zeroed(len);
+        for (index, block) in buffer.iter_mut().enumerate() {
+            *block = pack(index);
+        }
+        Blocks {
+            buffer: Arc::new(buffer),
+            range: 0..len,
+        }
+    }
+
+    /// The parts' blocks one after another, in a buffer of their own.
+    fn concatenated<'a>(parts: impl Iterator<Item = &'a Blocks<T>> + Clone) -> Blocks<T>
+    where
+        T: 'a,
+    {
+        let len = parts.clone().map(|part| part.len()).sum();
+        let mut buffer = HugeBuffer::zeroed(len);
+        let mut start = 0;
+        for part in parts {
+            buffer[start..start + part.len()].copy_from_slice(part);
+            start += part.len();
+        }
+        Blocks {
+            buffer: Arc::new(buffer),
+            range: 0..len,
+        }
+    }
+}
+
+impl<T> Deref for Blocks<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        &self.buffer[self.range.clone()]
+    }
 }
 
 /// A `rows × cols` quantized matrix; `matmul` computes `out[t][r] = Σ_c W[r][c] · x[t][c]`.
@@ -91,12 +146,15 @@ impl QuantMatrix {
             let start = row * row_bytes + block * format.block_bytes();
             &bytes[start..start + format.block_bytes()]
         };
-        let group_count = rows / GROUP_ROWS;
+        // Storage order: for each group of 8 rows, its blocks left to right.
+        let block_count = rows / GROUP_ROWS * blocks_per_row;
         let storage = match format {
-            WeightFormat::Q4_1 => Storage::Q41(pack_groups(group_count, blocks_per_row, |g, b| {
+            WeightFormat::Q4_1 => Storage::Q41(Blocks::packed(block_count, |index| {
+                let (g, b) = (index / blocks_per_row, index % blocks_per_row);
                 pack_q41(|r| source_block(g * GROUP_ROWS + r, b))
             })),
-            WeightFormat::Q8_0 => Storage::Q80(pack_groups(group_count, blocks_per_row, |g, b| {
+            WeightFormat::Q8_0 => Storage::Q80(Blocks::packed(block_count, |index| {
+                let (g, b) = (index / blocks_per_row, index % blocks_per_row);
                 pack_q80(|r| source_block(g * GROUP_ROWS + r, b))
             })),
         };
@@ -111,28 +169,70 @@ impl QuantMatrix {
     /// one pass over the input serves all three).
     pub fn concat_rows(parts: &[QuantMatrix]) -> Result<QuantMatrix> {
         let first = parts.first().ok_or(Error::ConcatMismatch)?;
-        let cols = first.cols;
-        let mut rows = 0;
-        let mut storage = match first.storage {
-            Storage::Q41(_) => Storage::Q41(Vec::new()),
-            Storage::Q80(_) => Storage::Q80(Vec::new()),
-        };
-        for part in parts {
-            if part.cols != cols {
-                return Err(Error::ConcatMismatch);
-            }
-            rows += part.rows;
-            match (&mut storage, &part.storage) {
-                (Storage::Q41(all), Storage::Q41(p)) => all.extend_from_slice(p),
-                (Storage::Q80(all), Storage::Q80(p)) => all.extend_from_slice(p),
-                _ => return Err(Error::ConcatMismatch),
-            }
+        let same_shape =
+            |part: &QuantMatrix| part.cols == first.cols && part.format() == first.format();
+        if !parts.iter().all(same_shape) {
+            return Err(Error::ConcatMismatch);
         }
+        let storage = match first.storage {
+            Storage::Q41(_) => Storage::Q41(Blocks::concatenated(parts.iter().filter_map(
+                |part| match &part.storage {
+                    Storage::Q41(blocks) => Some(blocks),
+                    Storage::Q80(_) => None,
+                },
+            ))),
+            Storage::Q80(_) => Storage::Q80(Blocks::concatenated(parts.iter().filter_map(
+                |part| match &part.storage {
+                    Storage::Q80(blocks) => Some(blocks),
+                    Storage::Q41(_) => None,
+                },
+            ))),
+        };
         Ok(QuantMatrix {
-            rows,
-            cols,
+            rows: parts.iter().map(|part| part.rows).sum(),
+            cols: first.cols,
             storage,
         })
+    }
+
+    /// Moves the matrices' blocks into one buffer per format, each matrix keeping its range.
+    ///
+    /// Why: a model's matrices are each a few hundred KiB, too small to lie on 2 MiB huge
+    /// pages alone; one buffer of all of them does, and batch-1 decode, which streams every
+    /// weight per token, ran 14–19 % faster that way (BENCHMARKS.md). Results do not
+    /// change: every block keeps its bits.
+    pub fn share_buffers(matrices: &mut [&mut QuantMatrix]) {
+        let q41 =
+            Blocks::concatenated(matrices.iter().filter_map(|matrix| match &matrix.storage {
+                Storage::Q41(blocks) => Some(blocks),
+                Storage::Q80(_) => None,
+            }));
+        let q80 =
+            Blocks::concatenated(matrices.iter().filter_map(|matrix| match &matrix.storage {
+                Storage::Q80(blocks) => Some(blocks),
+                Storage::Q41(_) => None,
+            }));
+        let (mut q41_start, mut q80_start) = (0, 0);
+        for matrix in matrices.iter_mut() {
+            matrix.storage = match &matrix.storage {
+                Storage::Q41(blocks) => {
+                    let range = q41_start..q41_start + blocks.len();
+                    q41_start = range.end;
+                    Storage::Q41(Blocks {
+                        buffer: Arc::clone(&q41.buffer),
+                        range,
+                    })
+                }
+                Storage::Q80(blocks) => {
+                    let range = q80_start..q80_start + blocks.len();
+                    q80_start = range.end;
+                    Storage::Q80(Blocks {
+                        buffer: Arc::clone(&q80.buffer),
+                        range,
+                    })
+                }
+            };
+        }
     }
 
     pub fn rows(&self) -> usize {
@@ -150,6 +250,25 @@ impl QuantMatrix {
         }
     }
 
+    /// Whether this matrix's blocks live in the same buffer as `other`'s.
+    #[cfg(test)]
+    pub(crate) fn shares_buffer_with(&self, other: &QuantMatrix) -> bool {
+        match (&self.storage, &other.storage) {
+            (Storage::Q41(a), Storage::Q41(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
+            (Storage::Q80(a), Storage::Q80(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
+            _ => false,
+        }
+    }
+
+    /// Whether this matrix's buffer is advised for huge pages.
+    #[cfg(test)]
+    pub(crate) fn storage_is_advised(&self) -> bool {
+        match &self.storage {
+            Storage::Q41(blocks) => blocks.buffer.is_advised(),
+            Storage::Q80(blocks) => blocks.buffer.is_advised(),
+        }
+    }
+
     /// The packed Q4_1 groups (`None` for Q8_0), for tests that call kernels directly.
     #[cfg(test)]
     pub(crate) fn q41_blocks(&self) -> Option<&[Q41GroupBlock]> {
@@ -162,8 +281,8 @@ impl QuantMatrix {
     /// Bytes of weight data held.
     pub fn bytes(&self) -> usize {
         match &self.storage {
-            Storage::Q41(v) => std::mem::size_of_val(v.as_slice()),
-            Storage::Q80(v) => std::mem::size_of_val(v.as_slice()),
+            Storage::Q41(blocks) => std::mem::size_of_val::<[Q41GroupBlock]>(blocks),
+            Storage::Q80(blocks) => std::mem::size_of_val::<[Q80GroupBlock]>(blocks),
         }
     }
 
@@ -395,18 +514,6 @@ fn q80_group(backend: Backend, group: &[Q80GroupBlock], job: GroupJob) {
         Backend::Avx2 | Backend::Avx512Vnni => avx2::q80_group(group, job),
         Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q80_group(group, job),
     }
-}
-
-/// Packed blocks in storage order: for each group of 8 rows, its blocks left to right.
-fn pack_groups<T>(
-    group_count: usize,
-    blocks_per_row: usize,
-    pack: impl Fn(usize, usize) -> T,
-) -> Vec<T> {
-    (0..group_count)
-        .flat_map(|group| (0..blocks_per_row).map(move |block| (group, block)))
-        .map(|(group, block)| pack(group, block))
-        .collect()
 }
 
 fn f16_bits(bytes: &[u8]) -> u16 {

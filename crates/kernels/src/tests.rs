@@ -224,6 +224,66 @@ fn concat_rows_stacks_matrices() {
 }
 
 #[test]
+fn concat_rows_refuses_mixed_formats() {
+    let mut rng = Rng(9);
+    let (q41_bytes, _) = random_q41(&mut rng, 8, 64);
+    let (q80_bytes, _) = random_q80(&mut rng, 8, 64);
+    let q41 = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 8, 64, &q41_bytes).unwrap();
+    let q80 = QuantMatrix::from_gguf_bytes(WeightFormat::Q8_0, 8, 64, &q80_bytes).unwrap();
+    assert!(matches!(
+        QuantMatrix::concat_rows(&[q41, q80]),
+        Err(Error::ConcatMismatch)
+    ));
+}
+
+/// Sharing moves blocks, never changes them: every row and every matmul result stays the
+/// same, and matrices too small for a huge page alone end up in one buffer that is advised.
+#[test]
+fn share_buffers_keeps_every_matrix_and_advises_the_shared_buffer() {
+    let mut rng = Rng(10);
+    // Eight 553 KB Q4_1 matrices (none advised alone, 4.4 MB together) and two Q8_0 ones.
+    let shapes = [(WeightFormat::Q4_1, 1536, 576); 8]
+        .into_iter()
+        .chain([(WeightFormat::Q8_0, 16, 64), (WeightFormat::Q8_0, 8, 96)]);
+    let mut matrices: Vec<QuantMatrix> = shapes
+        .map(|(format, rows, cols)| {
+            let (bytes, _) = match format {
+                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
+                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
+            };
+            QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap()
+        })
+        .collect();
+    assert!(matrices.iter().all(|matrix| !matrix.storage_is_advised()));
+    let workers = Workers::new(2);
+    let snapshot = |matrix: &QuantMatrix| {
+        let mut rows = vec![0f32; matrix.rows() * matrix.cols()];
+        for (r, row) in rows.chunks_exact_mut(matrix.cols()).enumerate() {
+            matrix.dequantize_row(r, row);
+        }
+        let tokens = 3;
+        let x: Vec<f32> = (0..tokens * matrix.cols())
+            .map(|i| (i % 17) as f32 - 8.0)
+            .collect();
+        let mut acts = QuantActs::default();
+        quantize_acts(&x, tokens, matrix.cols(), &mut acts);
+        let mut out = vec![0f32; tokens * matrix.rows()];
+        matrix.matmul(Backend::detect(), &workers, &acts, &mut out);
+        (rows, out)
+    };
+    let before: Vec<_> = matrices.iter().map(snapshot).collect();
+    QuantMatrix::share_buffers(&mut matrices.iter_mut().collect::<Vec<_>>());
+    let after: Vec<_> = matrices.iter().map(snapshot).collect();
+    assert!(before == after, "sharing changed a matrix");
+    assert!(matrices[..8]
+        .iter()
+        .all(|m| m.shares_buffer_with(&matrices[0])));
+    assert!(matrices[0].storage_is_advised() == cfg!(target_os = "linux"));
+    assert!(matrices[9].shares_buffer_with(&matrices[8]));
+    assert!(!matrices[8].shares_buffer_with(&matrices[0]));
+}
+
+#[test]
 fn bad_shapes_and_lengths_are_errors() {
     let bytes = vec![0u8; 20 * 2];
     assert!(matches!(

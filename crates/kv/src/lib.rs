@@ -15,10 +15,10 @@
 //!   agree. That every request eventually releases its pages is the workers' job.
 //!
 //! What this crate is not: it does no I/O, spawns no threads, knows nothing of the model or the
-//! transfer protocol beyond page states, and contains no `unsafe` (each page is its own
-//! allocation, so disjoint mutable borrows come from safe slice splitting). Pages are reused
-//! without zeroing unless `scrub_on_free` is set: the header check, not zeroing, is what keeps
-//! tenants apart.
+//! transfer protocol beyond page states, and contains no `unsafe` (the pages' storage is one
+//! `hugemem` buffer, and disjoint mutable borrows of pages come from safe slice splitting).
+//! Pages are reused without zeroing unless `scrub_on_free` is set: the header check, not
+//! zeroing, is what keeps tenants apart.
 #![forbid(unsafe_code)]
 
 mod pool;
@@ -137,6 +137,13 @@ impl KvLayout {
         ((layer * 2 + kind as usize) * self.kv_head_count + kv_head) * self.head_elems()
     }
 
+    /// Where page number `page_index` lies in a pool's storage, which holds the pages one
+    /// after another.
+    fn page_range(&self, page_index: usize) -> std::ops::Range<usize> {
+        let page_elems = self.page_elems();
+        page_index * page_elems..(page_index + 1) * page_elems
+    }
+
     /// `page_bytes`, or `None` when a dimension is zero or the size overflows `usize`.
     fn checked_page_bytes(&self) -> Option<usize> {
         let dims = [
@@ -188,6 +195,15 @@ pub enum Error {
         size: PoolSize,
         page_count: usize,
         max: usize,
+    },
+    #[error(
+        "pool size {size:?} is {page_count} pages of {page_bytes} bytes, more memory than \
+         this machine can address; give a smaller size"
+    )]
+    PoolTooLarge {
+        size: PoolSize,
+        page_count: usize,
+        page_bytes: usize,
     },
     #[error("out of KV pages: {needed} needed, {free} free")]
     OutOfPages { needed: usize, free: usize },

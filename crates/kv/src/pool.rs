@@ -3,6 +3,7 @@
 use std::fmt;
 
 use half::f16;
+use hugemem::HugeBuffer;
 
 use crate::{
     Error, Generation, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
@@ -23,9 +24,15 @@ pub struct PagePool {
     scrub_on_free: bool,
     /// One header per page, indexed by `PageId`.
     headers: Vec<PageHeader>,
-    /// One allocation per page, so a batch can hold disjoint `&mut` to several pages through
-    /// safe slice splitting, without `unsafe`.
-    storage: Vec<Page>,
+    /// Every page's KV bytes, page after page (`layout.page_elems()` each), in one buffer
+    /// advised for huge pages: a batch step reads 2 KiB runs scattered over all of it, and
+    /// 4 KiB pages made each run a TLB miss. A batch still holds disjoint `&mut` to its pages
+    /// through safe slice splitting.
+    storage: HugeBuffer<f16>,
+    /// Per page: slots `0..written_tokens` hold K/V written since the page's last allocation;
+    /// the rest still hold whatever an earlier owner left (pages are not zeroed), so nothing
+    /// may read them. Reset at every allocation.
+    written_tokens: Vec<usize>,
     /// LIFO: the most recently freed page is reused first, which makes a stale read show up
     /// at once in tests instead of hiding behind untouched pages.
     free: Vec<PageId>,
@@ -35,13 +42,10 @@ pub struct PagePool {
     owner_check_off: bool,
 }
 
-/// One page's KV bytes and how many of its token slots the current owner has written.
-struct Page {
-    data: Box<[f16]>,
-    /// Slots `0..written_tokens` hold K/V written since the page's last allocation; the rest
-    /// still hold whatever an earlier owner left (pages are not zeroed), so nothing may read
-    /// them. Reset at every allocation.
-    written_tokens: usize,
+/// One verified page, borrowed: its KV bytes and its count of written token slots.
+struct Page<'p> {
+    data: &'p mut [f16],
+    written_tokens: &'p mut usize,
 }
 
 /// Proof that a table's pages were checked: `&'p mut` to exactly the table's pages, in table
@@ -50,7 +54,7 @@ struct Page {
 pub struct PageView<'p> {
     owner: Owner,
     layout: KvLayout,
-    pages: Vec<&'p mut Page>,
+    pages: Vec<Page<'p>>,
 }
 
 impl PageTable {
@@ -131,18 +135,26 @@ impl PagePool {
             generation: Generation(0),
             state: PageState::Free,
         };
+        let storage_elems = page_count
+            .checked_mul(page_elems)
+            .filter(|&elems| elems <= isize::MAX as usize / 2)
+            .ok_or(Error::PoolTooLarge {
+                size: config.size,
+                page_count,
+                page_bytes,
+            })?;
+        let mut storage = HugeBuffer::zeroed(storage_elems);
+        // Scrubbing pools start scrubbed, so a never-used page looks like a freed one (the
+        // ghost value under `ghost-fill`): a zeroed pool hides stale reads.
+        if initial_fill != f16::ZERO {
+            storage.fill(initial_fill);
+        }
         Ok(PagePool {
             layout,
             scrub_on_free: config.scrub_on_free,
             headers: vec![header; page_count],
-            storage: (0..page_count)
-                .map(|_| Page {
-                    // Scrubbing pools start scrubbed, so a never-used page looks like a freed
-                    // one (the ghost value under `ghost-fill`): a zeroed pool hides stale reads.
-                    data: vec![initial_fill; page_elems].into_boxed_slice(),
-                    written_tokens: 0,
-                })
-                .collect(),
+            storage,
+            written_tokens: vec![0; page_count],
             // Reversed so that a fresh pool hands out page 0 first.
             free: (0..page_count as u32).rev().map(PageId).collect(),
             #[cfg(feature = "fault-injection")]
@@ -240,7 +252,7 @@ impl PagePool {
             header.owner = None;
             header.state = PageState::Free;
             if self.scrub_on_free {
-                self.storage[page.index()].data.fill(SCRUB_FILL);
+                self.storage[self.layout.page_range(page.index())].fill(SCRUB_FILL);
             }
             self.free.push(page);
         }
@@ -293,22 +305,31 @@ impl PagePool {
     fn views<'p>(&'p mut self, tables: &[&PageTable], access: Access) -> Result<Vec<PageView<'p>>> {
         let claims = self.verify_tables(tables, access)?;
         let layout = self.layout;
-        let mut slots: Vec<Vec<Option<&'p mut Page>>> = tables
+        let mut slots: Vec<Vec<Option<Page<'p>>>> = tables
             .iter()
             .map(|table| (0..table.pages.len()).map(|_| None).collect())
             .collect();
         // Claims are sorted and distinct, so each one lies beyond the previous: split the
-        // storage just past it and keep walking the tail. Safe disjoint borrows, one per page.
-        let mut rest: &'p mut [Page] = &mut self.storage;
+        // storage (and the written counts) just past it and keep walking the tails. Safe
+        // disjoint borrows, one per page.
+        let page_elems = layout.page_elems();
+        let mut rest_data: &'p mut [f16] = &mut self.storage;
+        let mut rest_written: &'p mut [usize] = &mut self.written_tokens;
         let mut rest_first_index = 0;
         for claim in claims {
             let skip = claim.page.index() - rest_first_index;
-            let (_, from_claim) = std::mem::take(&mut rest).split_at_mut(skip);
-            let (page, after) = from_claim
+            let (_, from_claim) = std::mem::take(&mut rest_data).split_at_mut(skip * page_elems);
+            let (data, after) = from_claim.split_at_mut(page_elems);
+            let (_, written_from_claim) = std::mem::take(&mut rest_written).split_at_mut(skip);
+            let (written_tokens, written_after) = written_from_claim
                 .split_first_mut()
                 .expect("a verified page id is below page_count, so the tail is not empty");
-            slots[claim.table_index][claim.position] = Some(page);
-            rest = after;
+            slots[claim.table_index][claim.position] = Some(Page {
+                data,
+                written_tokens,
+            });
+            rest_data = after;
+            rest_written = written_after;
             rest_first_index = claim.page.index() + 1;
         }
         let views = tables
@@ -332,18 +353,17 @@ impl PagePool {
         let page_count = self.headers.len();
         assert_eq!(
             self.storage.len(),
-            page_count,
-            "one storage slab per header"
+            page_count * self.layout.page_elems(),
+            "storage for every header's page"
         );
-        let page_elems = self.layout.page_elems();
-        for page in &self.storage {
-            assert_eq!(
-                page.data.len(),
-                page_elems,
-                "every page has the layout's size"
-            );
+        assert_eq!(
+            self.written_tokens.len(),
+            page_count,
+            "a written count per header"
+        );
+        for &written_tokens in &self.written_tokens {
             assert!(
-                page.written_tokens <= self.layout.page_size_tokens,
+                written_tokens <= self.layout.page_size_tokens,
                 "written within the page"
             );
         }
@@ -403,7 +423,7 @@ impl PagePool {
             header.generation = Generation(next.expect("2^64 allocations of one page"));
             header.owner = Some(table.owner);
             header.state = PageState::Writing;
-            self.storage[page.index()].written_tokens = 0;
+            self.written_tokens[page.index()] = 0;
             table.pages.push((page, header.generation));
         }
         Ok(())
@@ -547,8 +567,8 @@ impl<'p> PageView<'p> {
         let page_size = self.layout.page_size_tokens;
         let mut written = 0;
         for page in &self.pages {
-            written += page.written_tokens;
-            if page.written_tokens < page_size {
+            written += *page.written_tokens;
+            if *page.written_tokens < page_size {
                 break;
             }
         }
@@ -563,7 +583,7 @@ impl<'p> PageView<'p> {
         );
         let page_size = self.layout.page_size_tokens;
         for (i, page) in self.pages.iter_mut().enumerate() {
-            page.written_tokens = tokens.saturating_sub(i * page_size).min(page_size);
+            *page.written_tokens = tokens.saturating_sub(i * page_size).min(page_size);
         }
     }
 }

@@ -222,6 +222,20 @@ fn pool_of_zero_pages_or_bad_layout_is_refused() {
         PoolSize::Tokens(64),
     );
     assert!(matches!(error, Error::BadLayout { .. }), "{error:?}");
+    // Pages that each fit but together pass what the address space holds (2^22 pages of
+    // 2^42 bytes): an error, not a panic or an abort in the allocator.
+    let error = build(
+        KvLayout {
+            layer_count: 1,
+            kv_head_count: 1,
+            head_dim: 1 << 40,
+            page_size_tokens: 1,
+        },
+        PoolSize::Tokens(1 << 22),
+    );
+    assert!(matches!(error, Error::PoolTooLarge { .. }), "{error:?}");
+    let error = build(LAYOUT, PoolSize::Tokens(usize::MAX));
+    assert!(matches!(error, Error::TooManyPages { .. }), "{error:?}");
 }
 
 #[test]

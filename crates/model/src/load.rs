@@ -98,9 +98,9 @@ impl Model {
         };
         let loader = TensorLoader { file, bytes };
         let (dim, kv_dim) = (config.dim, config.kv_dim());
-        let embedding = loader.matrix("token_embd.weight", config.vocab_size, dim)?;
+        let mut embedding = loader.matrix("token_embd.weight", config.vocab_size, dim)?;
         tick(1);
-        let mut layers = Vec::with_capacity(config.layer_count);
+        let mut layers: Vec<Layer> = Vec::with_capacity(config.layer_count);
         for i in 0..config.layer_count {
             let name = |t: &str| format!("blk.{i}.{t}.weight");
             let q = loader.matrix(&name("attn_q"), dim, dim)?;
@@ -119,11 +119,26 @@ impl Model {
             tick(9);
         }
         let output_norm = loader.vector("output_norm.weight", dim)?;
-        let output = match file.tensor("output.weight") {
+        let mut output = match file.tensor("output.weight") {
             Ok(_) => Some(loader.matrix("output.weight", config.vocab_size, dim)?),
             Err(_) => None,
         };
         tick(tensors_total);
+        let mut matrices: Vec<&mut QuantMatrix> = layers
+            .iter_mut()
+            .flat_map(|layer| {
+                [
+                    &mut layer.qkv,
+                    &mut layer.attn_output,
+                    &mut layer.gate_up,
+                    &mut layer.down,
+                ]
+            })
+            .collect();
+        matrices.push(&mut embedding);
+        matrices.extend(output.as_mut());
+        // One buffer per format, so the weights lie on huge pages (`share_buffers` says why).
+        QuantMatrix::share_buffers(&mut matrices);
         Ok(Model {
             rope: RopeTable::new(
                 config.head_dim,

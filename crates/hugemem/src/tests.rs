@@ -1,0 +1,98 @@
+use super::*;
+
+#[test]
+fn starts_zeroed_and_keeps_what_is_written() {
+    // Below, at, and just above one huge page, and not a whole number of them.
+    for len in [
+        0,
+        1,
+        1000,
+        HUGE_PAGE_BYTES / 4,
+        HUGE_PAGE_BYTES / 4 + 1,
+        3_000_001,
+    ] {
+        let mut buffer = HugeBuffer::<u32>::zeroed(len);
+        assert_eq!(buffer.len(), len);
+        assert!(buffer.iter().all(|&value| value == 0), "len {len}: zeroed");
+        for (index, value) in buffer.iter_mut().enumerate() {
+            *value = index as u32 ^ 0x5A5A_5A5A;
+        }
+        let expected = (0..len).map(|index| index as u32 ^ 0x5A5A_5A5A);
+        assert!(buffer.iter().copied().eq(expected), "len {len}: kept");
+    }
+}
+
+#[test]
+fn only_buffers_of_a_huge_page_or_more_are_mapped() {
+    let small = HugeBuffer::<u8>::zeroed(HUGE_PAGE_BYTES - 1);
+    let large = HugeBuffer::<u8>::zeroed(HUGE_PAGE_BYTES);
+    assert!(!small.is_advised());
+    assert_eq!(large.is_advised(), cfg!(target_os = "linux"));
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn mapped_buffers_start_on_a_huge_page_boundary() {
+    let buffer = HugeBuffer::<u16>::zeroed(3 * HUGE_PAGE_BYTES);
+    assert!(buffer.is_advised());
+    assert_eq!(buffer.as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+}
+
+/// The advice is what makes a mapping eligible for huge pages when the kernel's THP mode is
+/// `madvise` (the default of most distributions, and of the machines we measure on): the
+/// kernel's own `THPeligible` says so for our buffer, and says the opposite for a plain heap
+/// buffer of the same size, so the check can tell the two apart. Where THP is `always` both
+/// are eligible and where it is `never` neither; the test then checks only the buffer.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_kernel_counts_the_buffer_eligible_for_huge_pages() {
+    let Ok(mode) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") else {
+        eprintln!("no transparent huge pages in this kernel; nothing to check");
+        return;
+    };
+    let bytes = 8 * HUGE_PAGE_BYTES;
+    let advised = HugeBuffer::<u8>::zeroed(bytes);
+    // Over glibc's largest mmap threshold, so this is a mapping of its own too.
+    let plain = vec![0u8; bytes];
+    let eligible = |address: usize| thp_eligible(address).expect("the address is mapped");
+    match mode.split_whitespace().find(|word| word.starts_with('[')) {
+        Some("[madvise]") => {
+            assert!(
+                eligible(advised.as_ptr() as usize),
+                "advised buffer eligible"
+            );
+            assert!(
+                !eligible(plain.as_ptr() as usize),
+                "plain buffer not eligible"
+            );
+        }
+        Some("[always]") => assert!(eligible(advised.as_ptr() as usize)),
+        _ => assert!(!eligible(advised.as_ptr() as usize)),
+    }
+}
+
+/// `THPeligible` of the mapping in `/proc/self/smaps` that holds `address`.
+#[cfg(target_os = "linux")]
+fn thp_eligible(address: usize) -> Option<bool> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps is readable");
+    let mut inside = false;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((start, end)) = range.split_once('-') {
+                if let (Ok(start), Ok(end)) = (
+                    usize::from_str_radix(start, 16),
+                    usize::from_str_radix(end, 16),
+                ) {
+                    inside = (start..end).contains(&address);
+                    continue;
+                }
+            }
+        }
+        if inside {
+            if let Some(value) = line.strip_prefix("THPeligible:") {
+                return Some(value.trim() == "1");
+            }
+        }
+    }
+    None
+}
