@@ -174,7 +174,7 @@ mod mapped {
             Some(Mapping {
                 base,
                 mapped_bytes,
-                elements: NonNull::new(start.cast::<T>())?,
+                elements: NonNull::new(start.cast::<T>()).expect("inside a non-null mapping"),
                 len,
                 _owns: PhantomData,
             })

@@ -415,7 +415,10 @@ mod x86 {
     const PAGES_AHEAD: usize = 4;
 
     /// Asks for the cache lines of `page`'s slots below `len` in `pages`, if there is such a
-    /// page (positions past `len` are never touched, not even by a prefetch).
+    /// page (positions past `len` are never touched, not even by a prefetch). Into L2 (`T1`),
+    /// not L1: a burst of prefetches into L1 waits on L1's few miss buffers, and batch-16
+    /// attention ran a third faster this way (`examples/attention_speed`, 16 × 80: 5.7 →
+    /// 3.8 ms per step; BENCHMARKS.md).
     #[inline(always)]
     unsafe fn prefetch_page(att: &KvHeadAttention, pages: &[&[f16]], page: usize) {
         let first = page * att.page_size;
@@ -425,7 +428,7 @@ mod x86 {
         let bytes = (att.len - first).min(att.page_size) * att.head_dim * size_of::<f16>();
         let start = pages[page].as_ptr() as *const i8;
         for offset in (0..bytes).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset));
+            _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(offset));
         }
     }
 

@@ -24,10 +24,10 @@ pub struct PagePool {
     scrub_on_free: bool,
     /// One header per page, indexed by `PageId`.
     headers: Vec<PageHeader>,
-    /// Every page's KV bytes, page after page (`layout.page_elems()` each), in one buffer
-    /// advised for huge pages: a batch step reads 2 KiB runs scattered over all of it, and
-    /// 4 KiB pages made each run a TLB miss. A batch still holds disjoint `&mut` to its pages
-    /// through safe slice splitting.
+    /// Every page's KV bytes, page after page (`layout.page_elems()` each), in one buffer:
+    /// one allocation however many pages, advised for huge pages (attention's scattered reads
+    /// measured the same on them, BENCHMARKS.md). A batch still holds disjoint `&mut` to its
+    /// pages through safe slice splitting.
     storage: HugeBuffer<f16>,
     /// Per page: slots `0..written_tokens` hold K/V written since the page's last allocation;
     /// the rest still hold whatever an earlier owner left (pages are not zeroed), so nothing
