@@ -3,10 +3,11 @@
 //! SEQS sequences × 3 K/V heads of 3 query heads, SmolLM2's shape) over K/V pages scattered in
 //! a pool larger than the last-level cache, as a batch-16 step meets them, on one thread.
 //! Prints the median step time and the K/V bytes read per second. On the 2026-12-04 machine:
-//! 16 × 80 about 5 ms per step (5.5–6 GB/s, ~3.6 µs per task); with 2 sequences kept
-//! cached (`CACHED=1 … 2 80`) ~1.7 µs per task: at batch 16, attention waits on memory.
-//! The pool is a huge-page buffer like the real one; `SMALL_PAGES=1` puts it on 4 KiB pages
-//! (no difference measured: TLB misses are not what attention waits on).
+//! 16 × 80 about 3.8 ms per step (7–8 GB/s, ~2.6 µs per task; 5.5 ms with the prefetches
+//! into L1 of before); with 2 sequences kept cached (`CACHED=1 … 2 80`) ~1.7 µs per task: at
+//! batch 16, attention waits on memory. The pool is a huge-page buffer like the real one;
+//! `SMALL_PAGES=1` puts it on 4 KiB pages (no difference measured: TLB misses are not what
+//! attention waits on).
 
 use half::f16;
 use kernels::{Backend, KvHeadAttention};
