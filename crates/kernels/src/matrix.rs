@@ -99,6 +99,34 @@ impl<T: bytemuck::Zeroable + Copy> Blocks<T> {
     }
 }
 
+impl<T> Blocks<T> {
+    /// The `len` blocks of this buffer from `*start` on, moving `*start` past them.
+    fn next_range(&self, start: &mut usize, len: usize) -> Blocks<T> {
+        let range = *start..*start + len;
+        *start = range.end;
+        Blocks {
+            buffer: Arc::clone(&self.buffer),
+            range,
+        }
+    }
+}
+
+impl Storage {
+    fn q41(&self) -> Option<&Blocks<Q41GroupBlock>> {
+        match self {
+            Storage::Q41(blocks) => Some(blocks),
+            Storage::Q80(_) => None,
+        }
+    }
+
+    fn q80(&self) -> Option<&Blocks<Q80GroupBlock>> {
+        match self {
+            Storage::Q80(blocks) => Some(blocks),
+            Storage::Q41(_) => None,
+        }
+    }
+}
+
 impl<T> Deref for Blocks<T> {
     type Target = [T];
 
@@ -175,18 +203,12 @@ impl QuantMatrix {
             return Err(Error::ConcatMismatch);
         }
         let storage = match first.storage {
-            Storage::Q41(_) => Storage::Q41(Blocks::concatenated(parts.iter().filter_map(
-                |part| match &part.storage {
-                    Storage::Q41(blocks) => Some(blocks),
-                    Storage::Q80(_) => None,
-                },
-            ))),
-            Storage::Q80(_) => Storage::Q80(Blocks::concatenated(parts.iter().filter_map(
-                |part| match &part.storage {
-                    Storage::Q80(blocks) => Some(blocks),
-                    Storage::Q41(_) => None,
-                },
-            ))),
+            Storage::Q41(_) => Storage::Q41(Blocks::concatenated(
+                parts.iter().filter_map(|part| part.storage.q41()),
+            )),
+            Storage::Q80(_) => Storage::Q80(Blocks::concatenated(
+                parts.iter().filter_map(|part| part.storage.q80()),
+            )),
         };
         Ok(QuantMatrix {
             rows: parts.iter().map(|part| part.rows).sum(),
@@ -202,35 +224,13 @@ impl QuantMatrix {
     /// weight per token, ran 14–19 % faster that way (BENCHMARKS.md). Results do not
     /// change: every block keeps its bits.
     pub fn share_buffers(matrices: &mut [&mut QuantMatrix]) {
-        let q41 =
-            Blocks::concatenated(matrices.iter().filter_map(|matrix| match &matrix.storage {
-                Storage::Q41(blocks) => Some(blocks),
-                Storage::Q80(_) => None,
-            }));
-        let q80 =
-            Blocks::concatenated(matrices.iter().filter_map(|matrix| match &matrix.storage {
-                Storage::Q80(blocks) => Some(blocks),
-                Storage::Q41(_) => None,
-            }));
+        let q41 = Blocks::concatenated(matrices.iter().filter_map(|matrix| matrix.storage.q41()));
+        let q80 = Blocks::concatenated(matrices.iter().filter_map(|matrix| matrix.storage.q80()));
         let (mut q41_start, mut q80_start) = (0, 0);
         for matrix in matrices.iter_mut() {
             matrix.storage = match &matrix.storage {
-                Storage::Q41(blocks) => {
-                    let range = q41_start..q41_start + blocks.len();
-                    q41_start = range.end;
-                    Storage::Q41(Blocks {
-                        buffer: Arc::clone(&q41.buffer),
-                        range,
-                    })
-                }
-                Storage::Q80(blocks) => {
-                    let range = q80_start..q80_start + blocks.len();
-                    q80_start = range.end;
-                    Storage::Q80(Blocks {
-                        buffer: Arc::clone(&q80.buffer),
-                        range,
-                    })
-                }
+                Storage::Q41(blocks) => Storage::Q41(q41.next_range(&mut q41_start, blocks.len())),
+                Storage::Q80(blocks) => Storage::Q80(q80.next_range(&mut q80_start, blocks.len())),
             };
         }
     }
@@ -272,10 +272,7 @@ impl QuantMatrix {
     /// The packed Q4_1 groups (`None` for Q8_0), for tests that call kernels directly.
     #[cfg(test)]
     pub(crate) fn q41_blocks(&self) -> Option<&[Q41GroupBlock]> {
-        match &self.storage {
-            Storage::Q41(blocks) => Some(blocks),
-            Storage::Q80(_) => None,
-        }
+        self.storage.q41().map(|blocks| &blocks[..])
     }
 
     /// Bytes of weight data held.
