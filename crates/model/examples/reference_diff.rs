@@ -66,8 +66,8 @@ fn main() {
                     want_logits: true,
                 }],
             )
-            .expect("forward")
-            .remove(0);
+            .expect("forward")[0]
+            .to_vec();
         pool.release(table).expect("release");
         let diffs: Vec<f32> = ours
             .iter()

@@ -1,7 +1,7 @@
 //! One batched forward step over verified pages.
 
-use crate::{Error, Model, Result};
-use half::f16;
+use crate::{Error, Logits, Model, Result};
+use half::{f16, slice::HalfFloatSliceExt};
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
 use kernels::{
     add_in_place, quantize_acts, quantize_blocks, rms_norm, silu_mul, KvHeadAttention, QuantActs,
@@ -66,7 +66,7 @@ struct Buffers {
 pub trait Forward: Send + 'static {
     /// Runs one step for every sequence in `steps` and returns the logits of each step that
     /// asked for them, in order. Implementations reach K/V only through [`checked_views`].
-    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>>;
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits>;
     /// The page shape a pool must have to hold this model's KV.
     fn kv_layout(&self, page_size_tokens: usize) -> kv::KvLayout;
     /// Bytes of weights held in memory (reported at the handshake and in `/health`).
@@ -74,7 +74,7 @@ pub trait Forward: Send + 'static {
 }
 
 impl Forward for Model {
-    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits> {
         Model::forward(self, pool, steps)
     }
 
@@ -157,9 +157,9 @@ impl Model {
     /// Runs one step for every sequence in `steps` and returns the logits of each step that
     /// asked for them, in order. Every page table is verified against the pool's headers before
     /// any K/V is touched (I1): a stale, foreign or freed page fails the whole step.
-    pub fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+    pub fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits> {
         if steps.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Logits::none(self.config.vocab_size));
         }
         let layout = self.config.kv_layout(pool.layout().page_size_tokens);
         let c = &self.config;
@@ -169,7 +169,7 @@ impl Model {
         Ok(logits)
     }
 
-    fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Result<Vec<Vec<f32>>> {
+    fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Result<Logits> {
         let rows: Vec<RowSource> = steps
             .iter()
             .enumerate()
@@ -280,16 +280,72 @@ impl Model {
         self.workers
             .for_each_item_mut(&mut tasks, |_, (rows, qkv, view)| {
                 for (row, source) in qkv.chunks_exact_mut(qkv_width).zip(rows.iter()) {
-                    let (q, kv) = row.split_at_mut(c.dim);
-                    if self.exact().is_some() {
-                        ggml_exact::rope(&self.rope, q, source.pos);
-                        ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], source.pos);
-                    } else {
-                        self.rope.apply(q, source.pos);
-                        self.rope.apply(&mut kv[..c.kv_dim()], source.pos);
-                    }
-                    store_kv(view, layer, source.pos, kv, c.head_dim);
+                    self.rotate_and_store_row(layer, source.pos, row, view);
                 }
+            });
+    }
+
+    /// RoPE on one row's Q and K at `pos`, then its K and V into their slot of `view`.
+    fn rotate_and_store_row(&self, layer: usize, pos: usize, qkv: &mut [f32], view: &mut PageView) {
+        let c = &self.config;
+        let (q, kv) = qkv.split_at_mut(c.dim);
+        if self.exact().is_some() {
+            ggml_exact::rope(&self.rope, q, pos);
+            ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], pos);
+        } else {
+            self.rope.apply(q, pos);
+            self.rope.apply(&mut kv[..c.kv_dim()], pos);
+        }
+        store_kv(view, layer, pos, kv, c.head_dim);
+    }
+
+    /// Whether a step takes [`Self::decode_attention`]: the fast kernels, one row per sequence
+    /// (a decode step), and rows enough that a task per row keeps the threads busy.
+    fn attends_per_row(&self, rows: &[RowSource], views: &[PageView]) -> bool {
+        self.exact().is_none()
+            && rows.len() == views.len()
+            && rows.len() >= 2 * self.workers.threads()
+    }
+
+    /// A decode step's RoPE, K/V store, attention and quantization of the result, one task
+    /// per row (each row is its own sequence here, so no task reads what another writes). One
+    /// region instead of three, and a task reads each page's K and V for all K/V heads of the
+    /// layer, which lie side by side: longer runs from memory than one head's. The bits are
+    /// those of `rotate_and_store_kv`, `attend` and `fill_and_quantize` (tested).
+    fn decode_attention(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        qkv: &mut [f32],
+        views: &mut [PageView],
+        out: &mut [f32],
+        acts: &mut QuantActs,
+    ) {
+        let c = &self.config;
+        let qkv_width = c.dim + 2 * c.kv_dim();
+        let group_width = c.group_size() * c.head_dim;
+        let blocks = acts.reshape(rows.len(), c.dim);
+        let mut tasks: Vec<_> = qkv
+            .chunks_exact_mut(qkv_width)
+            .zip(views.iter_mut())
+            .zip(out.chunks_exact_mut(c.dim))
+            .zip(blocks.chunks_exact_mut(c.dim / kernels::BLOCK))
+            .zip(rows)
+            .collect();
+        self.workers
+            .for_each_item_mut(&mut tasks, |_, ((((qkv, view), out), blocks), source)| {
+                self.rotate_and_store_row(layer, source.pos, qkv, view);
+                let q = &qkv[..c.dim];
+                for (kv_head, out) in out.chunks_exact_mut(group_width).enumerate() {
+                    let task = HeadTask {
+                        source: **source,
+                        view,
+                        kv_head,
+                        q: &q[kv_head * group_width..][..group_width],
+                    };
+                    self.attend_heads(layer, &task, out);
+                }
+                quantize_blocks(out, blocks);
             });
     }
 
@@ -319,9 +375,13 @@ impl Model {
         weights
             .qkv
             .matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
-        self.rotate_and_store_kv(layer, rows, &mut b.qkv, views);
-        self.attend(layer, rows, &b.qkv, views, &mut b.attn);
-        self.fill_and_quantize(&mut b.attn, c.dim, &mut b.acts, &|_, _| {});
+        if self.attends_per_row(rows, views) {
+            self.decode_attention(layer, rows, &mut b.qkv, views, &mut b.attn, &mut b.acts);
+        } else {
+            self.rotate_and_store_kv(layer, rows, &mut b.qkv, views);
+            self.attend(layer, rows, &b.qkv, views, &mut b.attn);
+            self.fill_and_quantize(&mut b.attn, c.dim, &mut b.acts, &|_, _| {});
+        }
         weights
             .attn_output
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
@@ -366,8 +426,6 @@ impl Model {
             return self.attend_exact(build, layer, rows, qkv, views, out);
         }
         let c = &self.config;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let backend = self.backend;
         // The query heads that share a K/V head go in one task, which widens each key and
         // value once for all of them; with too few tasks to keep the threads busy, one head per
         // task. Each head's bits are the same either way.
@@ -378,18 +436,23 @@ impl Model {
             1
         };
         self.for_each_head(rows, qkv, views, out, heads_per_task, &|task, out| {
-            let (page_size, len) = (task.view.layout().page_size_tokens, task.source.pos + 1);
-            let (keys, values) = task.pages(layer);
-            let attention = KvHeadAttention {
-                keys: &keys,
-                values: &values,
-                page_size,
-                head_dim: c.head_dim,
-                len,
-                scale,
-            };
-            attention.run(backend, task.q, out);
+            self.attend_heads(layer, &task, out)
         });
+    }
+
+    /// Attention of a task's query heads over its K/V head (fast kernels).
+    fn attend_heads(&self, layer: usize, task: &HeadTask, out: &mut [f32]) {
+        let head_dim = self.config.head_dim;
+        let (keys, values) = task.pages(layer);
+        let attention = KvHeadAttention {
+            keys: &keys,
+            values: &values,
+            page_size: task.view.layout().page_size_tokens,
+            head_dim,
+            len: task.source.pos + 1,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        };
+        attention.run(self.backend, task.q, out);
     }
 
     /// `attend` in llama.cpp's arithmetic (`ggml_exact`). Which f16 dot product llama.cpp
@@ -470,9 +533,9 @@ impl Model {
     }
 
     /// Final norm and output projection for the chosen rows.
-    fn logits(&self, x: &[f32], rows: &[usize]) -> Vec<Vec<f32>> {
+    fn logits(&self, x: &[f32], rows: &[usize]) -> Logits {
         if rows.is_empty() {
-            return Vec::new();
+            return Logits::none(self.config.vocab_size);
         }
         let c = &self.config;
         let mut normed = vec![0f32; rows.len() * c.dim];
@@ -484,10 +547,7 @@ impl Model {
         let output = self.output.as_ref().unwrap_or(&self.embedding);
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         output.matmul(self.backend, &self.workers, &acts, &mut logits);
-        logits
-            .chunks_exact(c.vocab_size)
-            .map(<[f32]>::to_vec)
-            .collect()
+        Logits::from_values(logits, c.vocab_size)
     }
 }
 
@@ -500,9 +560,8 @@ fn store_kv(view: &mut PageView, layer: usize, pos: usize, kv: &[f32], head_dim:
     for (kind, src) in [(KvKind::Key, k), (KvKind::Value, v)] {
         for (kv_head, values) in src.chunks_exact(head_dim).enumerate() {
             let dst = &mut view.head_mut(page, layer, kind, kv_head)[slot * head_dim..][..head_dim];
-            for (d, &s) in dst.iter_mut().zip(values) {
-                *d = f16::from_f32(s);
-            }
+            // Vectorized (F16C where the CPU has it); the same rounding as `f16::from_f32`.
+            dst.convert_from_f32_slice(values);
         }
     }
 }

@@ -3,7 +3,7 @@
 //! then one decode step per token. The pages are released on every path out.
 
 use crate::sampling::{Sampler, SamplingParams};
-use crate::{Error, Model, Result, SeqStep, StopMatcher};
+use crate::{Error, Logits, Model, Result, SeqStep, StopMatcher};
 use gguf::Tokenizer;
 use kv::{Owner, PagePool, PageTable};
 use std::time::Instant;
@@ -95,7 +95,7 @@ fn run(
     };
     let started = Instant::now();
     let chunk = request.prefill_chunk.max(1);
-    let mut logits = Vec::new();
+    let mut logits = None;
     for (i, tokens) in request.prompt.chunks(chunk).enumerate() {
         let start_pos = i * chunk;
         let want_logits = start_pos + tokens.len() == request.prompt.len();
@@ -105,12 +105,14 @@ fn run(
             start_pos,
             want_logits,
         };
-        logits = model.forward(pool, &[step])?;
+        logits = Some(model.forward(pool, &[step])?);
     }
     stats.prefill_seconds = started.elapsed().as_secs_f64();
     let first_logits = logits
-        .pop()
-        .expect("the last prefill chunk asks for logits");
+        .as_ref()
+        .and_then(Logits::last)
+        .expect("the last prefill chunk asks for logits")
+        .to_vec();
 
     let started = Instant::now();
     let mut sampler = Sampler::new(request.sampling.clone());
@@ -143,10 +145,12 @@ fn run(
             start_pos,
             want_logits: true,
         };
-        next_logits = model
-            .forward(pool, &[step])?
-            .pop()
-            .expect("the step asks for logits");
+        next_logits.copy_from_slice(
+            model
+                .forward(pool, &[step])?
+                .last()
+                .expect("the step asks for logits"),
+        );
     }
     if finish_reason == FinishReason::Length || !pending_bytes.is_empty() {
         let (shown, _) = stops.push(&String::from_utf8_lossy(&pending_bytes));

@@ -13,6 +13,7 @@ mod error;
 mod forward;
 mod generate;
 mod load;
+mod logits;
 mod oracle;
 mod sampling;
 mod stop;
@@ -24,6 +25,7 @@ pub use generate::{
     generate, take_complete_utf8, FinishReason, GenerateRequest, GenerateStats, Generated,
 };
 pub use load::{LoadOptions, LoadProgress, Loaded, Model};
+pub use logits::Logits;
 pub use oracle::OracleModel;
 pub use sampling::{Sampler, SamplingParams};
 pub use stop::StopMatcher;

@@ -14,7 +14,7 @@
 //! statistics; a foreign slot's token is echoed, so another tenant's marker shows in the text.
 
 use crate::forward::{checked_views, mark_steps_written, Forward, SeqStep};
-use crate::Result;
+use crate::{Logits, Result};
 use half::f16;
 use kv::{KvKind, KvLayout, PagePool, PageView, TenantId};
 
@@ -142,9 +142,9 @@ impl OracleModel {
 }
 
 impl Forward for OracleModel {
-    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits> {
         if steps.is_empty() {
-            return Ok(Vec::new());
+            return Ok(Logits::none(self.vocab_size));
         }
         let layout = self.kv_layout(pool.layout().page_size_tokens);
         let mut views = checked_views(pool, steps, self.vocab_size, self.context_length, layout)?;
@@ -167,13 +167,13 @@ impl Forward for OracleModel {
             if step.want_logits {
                 let end = step.start_pos + step.tokens.len();
                 let slots: Vec<Slot> = (0..end).map(|p| Self::read(view, p, tenant)).collect();
-                let mut row = vec![UNCHOSEN; self.vocab_size];
-                row[self.choose(&slots) as usize] = 0.0;
-                logits.push(row);
+                let row = logits.len();
+                logits.resize(row + self.vocab_size, UNCHOSEN);
+                logits[row + self.choose(&slots) as usize] = 0.0;
             }
         }
         mark_steps_written(steps, &mut views);
-        Ok(logits)
+        Ok(Logits::from_values(logits, self.vocab_size))
     }
 
     fn kv_layout(&self, page_size_tokens: usize) -> KvLayout {

@@ -71,7 +71,7 @@ fn first_step_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
         start_pos: 0,
         want_logits: true,
     };
-    let logits = model.forward(&mut pool, &[step]).unwrap().remove(0);
+    let logits = model.forward(&mut pool, &[step]).unwrap()[0].to_vec();
     pool.release(table).unwrap();
     logits
 }

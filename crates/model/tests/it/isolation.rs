@@ -30,11 +30,11 @@ fn prefill(pool: &mut PagePool, table: &PageTable, prompt: &[u32]) -> Vec<f32> {
         start_pos: 0,
         want_logits: true,
     };
-    let mut logits = common::model()
+    let logits = common::model()
         .forward(pool, &[step])
         .unwrap_or_else(|e| panic!("prefill: {e}"));
     assert_eq!(logits.len(), 1);
-    logits.pop().unwrap()
+    logits[0].to_vec()
 }
 
 /// One decode step of `token` at `pos`.
@@ -47,9 +47,8 @@ fn decode(pool: &mut PagePool, table: &PageTable, token: u32, pos: usize) -> Vec
     };
     common::model()
         .forward(pool, &[step])
-        .unwrap_or_else(|e| panic!("decode: {e}"))
-        .pop()
-        .unwrap()
+        .unwrap_or_else(|e| panic!("decode: {e}"))[0]
+        .to_vec()
 }
 
 /// A forward step by `table` that must be refused; returns the error.
@@ -431,6 +430,75 @@ fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
     release_all_and_check_pool_is_whole(&mut pool, all);
 }
 
+/// A decode step with a row per sequence and rows enough for the threads (at least 4 on the
+/// test model's 2) takes the fused per-row path: RoPE, K/V store, attention and quantization
+/// in one task per sequence. Each sequence must get, bit for bit, the logits it gets decoding
+/// alone (batch 1, the unfused path), at five different positions.
+#[test]
+fn fused_decode_step_gives_each_sequence_its_logits_alone_bit_for_bit() {
+    let mut pool = common::pool(64 * PAGE_SIZE);
+    let prompts: Vec<Vec<u32>> = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        A_PROMPT,
+        B_PROMPT,
+        "One, two, three, four, five, six, seven,",
+    ]
+    .iter()
+    .map(|text| encode(text))
+    .collect();
+    let run = |pool: &mut PagePool, tenant: u64, batched: bool| {
+        let tables: Vec<PageTable> = (0..prompts.len())
+            .map(|i| {
+                pool.allocate(owner(tenant, i as u64), REQUEST_TOKENS)
+                    .unwrap()
+            })
+            .collect();
+        let next: Vec<u32> = prompts
+            .iter()
+            .zip(&tables)
+            .map(|(prompt, table)| common::top_k(&prefill(pool, table, prompt), 1)[0])
+            .collect();
+        let logits: Vec<Vec<f32>> = if batched {
+            let steps: Vec<SeqStep> = (0..prompts.len())
+                .map(|i| SeqStep {
+                    table: &tables[i],
+                    tokens: &next[i..i + 1],
+                    start_pos: prompts[i].len(),
+                    want_logits: true,
+                })
+                .collect();
+            let logits = common::model()
+                .forward(pool, &steps)
+                .expect("batched decode");
+            logits.rows().map(<[f32]>::to_vec).collect()
+        } else {
+            (0..prompts.len())
+                .map(|i| decode(pool, &tables[i], next[i], prompts[i].len()))
+                .collect()
+        };
+        (tables, logits)
+    };
+    let (alone_tables, alone) = run(&mut pool, 1, false);
+    let (batched_tables, batched) = run(&mut pool, 2, true);
+    assert_eq!(batched.len(), prompts.len());
+    for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
+        let same_bits = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same_bits,
+            "sequence {i}: batched decode differs from alone (max abs diff {})",
+            max_abs_diff(a, b)
+        );
+    }
+    assert!(
+        max_abs_diff(&batched[0], &batched[1]) > 1.0,
+        "the sequences' logits differ, so a mix-up would show"
+    );
+    let mut all = alone_tables;
+    all.extend(batched_tables);
+    release_all_and_check_pool_is_whole(&mut pool, all);
+}
+
 /// A step that starts past what its own table has written would attend over whatever its pages
 /// hold. Pages are reused without zeroing, so a request that skips (or loses) its prefill
 /// would be answered from the previous owner's KV, and the header check cannot see it: the
@@ -459,8 +527,8 @@ fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv
             assert_eq!(start_pos, a_prompt.len());
             assert_eq!(written, 0);
         }
-        Ok(mut logits) => {
-            let diff = max_abs_diff(&logits.pop().unwrap(), &a_continuation);
+        Ok(logits) => {
+            let diff = max_abs_diff(&logits[0], &a_continuation);
             panic!(
                 "a step past B's written tokens ran (logits vs A's continuation: max abs diff \
                  {diff}; 0 means B was answered from A's KV)"

@@ -198,11 +198,7 @@ fn teacher_forced(index: usize) -> &'static [Forced] {
                 start_pos,
                 want_logits: true,
             };
-            common::model()
-                .forward(pool, &[step])
-                .unwrap()
-                .pop()
-                .unwrap()
+            common::model().forward(pool, &[step]).unwrap()[0].to_vec()
         };
         let mut logits = step(&mut pool, &case.prompt_tokens, 0);
         let mut forced = Vec::new();
