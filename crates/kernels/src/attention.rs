@@ -32,7 +32,7 @@ impl KvHeadAttention<'_> {
         match backend {
             #[cfg(target_arch = "x86_64")]
             Backend::Avx2 | Backend::Avx512Vnni if avx2::attention_fits(self.head_dim) => {
-                avx2::attend_kv_head(self, queries, out)
+                avx2::attend_kv_head(self, backend, queries, out)
             }
             _ => self.run_per_head(backend, queries, out),
         }

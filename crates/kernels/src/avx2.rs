@@ -94,7 +94,12 @@ thread_local! {
 
 /// [`KvHeadAttention::run`] in AVX2 for a `head_dim` that `attention_fits`.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [f32]) {
+pub(crate) fn attend_kv_head(
+    att: &KvHeadAttention,
+    backend: crate::Backend,
+    queries: &[f32],
+    out: &mut [f32],
+) {
     assert!(attention_fits(att.head_dim), "a head of whole registers");
     att.check(queries, out);
     let (head_dim, len) = (att.head_dim, att.len);
@@ -121,11 +126,9 @@ pub(crate) fn attend_kv_head(att: &KvHeadAttention, queries: &[f32], out: &mut [
                 }
             }
         }
-        for probs in probs.chunks_exact_mut(len) {
-            // Probabilities rounded to f16, as the reference multiplies them by V in f16.
-            crate::ops::softmax_in_place(crate::Backend::Avx2, probs);
-            unsafe { x86::round_through_f16_in_place(probs) };
-        }
+        crate::ops::softmax_rows_in_place(backend, probs, len);
+        // Probabilities rounded to f16, as the reference multiplies them by V in f16.
+        unsafe { x86::round_through_f16_in_place(probs) };
         let passes = probs
             .chunks(HEADS_PER_PASS * len)
             .zip(out.chunks_mut(HEADS_PER_PASS * head_dim));

@@ -30,6 +30,12 @@ pub fn add_in_place(acc: &mut [f32], x: &[f32]) {
 pub fn silu_mul(backend: Backend, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gate and up have equal length");
     #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512Vnni && crate::backend::has_avx512_vnni() {
+        // SAFETY: the CPU has avx512f (checked); the lengths are equal.
+        unsafe { expf::x86_512::silu_mul(gate, up) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if backend.uses_avx2() {
         // SAFETY: the backend runs only where the CPU has avx2 and fma; the lengths are equal.
         unsafe { expf::x86::silu_mul(gate, up) };
@@ -44,26 +50,63 @@ pub fn silu_mul(backend: Backend, gate: &mut [f32], up: &[f32]) {
 /// same bits.
 pub fn softmax_in_place(backend: Backend, x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let sum = exp_shifted_sum(backend, x, max);
+    exp_shifted(backend, x, max);
+    let sum = x.iter().fold(0f64, |sum, &v| sum + v as f64);
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
     }
 }
 
-/// `x[i] = e^(x[i] − shift)`, returning Σ x[i] summed in f64 in index order.
-fn exp_shifted_sum(backend: Backend, x: &mut [f32], shift: f32) -> f64 {
+/// Softmax of each `len`-wide row of `rows` in place, each row's bits those of
+/// [`softmax_in_place`]. Each row's f64 sum is a chain of dependent adds in index order (the
+/// reference's order, so its bits); the rows' chains run side by side here instead of one
+/// after another, so they overlap rather than each waiting on add latency.
+pub fn softmax_rows_in_place(backend: Backend, rows: &mut [f32], len: usize) {
+    /// Rows whose sums run side by side.
+    const SIDE_BY_SIDE: usize = 4;
+    assert!(
+        len > 0 && rows.len().is_multiple_of(len),
+        "whole rows of {len} values"
+    );
+    for group in rows.chunks_mut(SIDE_BY_SIDE * len) {
+        for row in group.chunks_exact_mut(len) {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            exp_shifted(backend, row, max);
+        }
+        let count = group.len() / len;
+        let mut sums = [0f64; SIDE_BY_SIDE];
+        for i in 0..len {
+            for (r, sum) in sums.iter_mut().enumerate().take(count) {
+                *sum += group[r * len + i] as f64;
+            }
+        }
+        for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
+            let inv = (1.0 / sum) as f32;
+            for v in row.iter_mut() {
+                *v *= inv;
+            }
+        }
+    }
+}
+
+/// `x[i] = e^(x[i] − shift)`.
+fn exp_shifted(backend: Backend, x: &mut [f32], shift: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512Vnni && crate::backend::has_avx512_vnni() {
+        // SAFETY: the CPU has avx512f (checked).
+        unsafe { expf::x86_512::exp_shifted(x, shift) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if backend.uses_avx2() {
         // SAFETY: the backend runs only where the CPU has avx2 and fma.
-        return unsafe { expf::x86::exp_shifted_sum(x, shift) };
+        unsafe { expf::x86::exp_shifted(x, shift) };
+        return;
     }
-    let mut sum = 0f64;
     for v in x.iter_mut() {
         *v = expf(*v - shift);
-        sum += *v as f64;
     }
-    sum
 }
 
 /// `scores[i] = scale * (q · keys[i])` for each `q.len()`-wide key in `keys` (f16, the KV

@@ -407,6 +407,60 @@ fn rms_norm_and_softmax_basics() {
     assert!((p[0] - 0.25).abs() < 1e-6 && p[2] == 0.0 && (p[3] - 0.5).abs() < 1e-6);
 }
 
+/// SwiGLU and softmax (the two `expf` users) give every backend the same bits, and softmax
+/// of rows side by side gives each row the bits of softmax alone, at lengths
+/// that leave partial registers of 8 and 16 lanes, and with values past `expf`'s special
+/// thresholds (|x| ≥ 88, ±∞) among ordinary ones.
+#[test]
+fn silu_and_softmax_bits_are_the_same_on_every_backend() {
+    let mut rng = Rng(17);
+    let specials = [f32::INFINITY, f32::NEG_INFINITY, 95.0, -95.0, -104.0, 88.5];
+    for len in (1..=40).chain([79, 80, 81, 1536]) {
+        let values: Vec<f32> = (0..len)
+            .map(|i| match i % 11 {
+                3 => specials[(i / 11) % specials.len()],
+                _ => rng.f32() * 20.0,
+            })
+            .collect();
+        let up: Vec<f32> = (0..len).map(|_| rng.f32() * 2.0).collect();
+        let finite: Vec<f32> = values.iter().map(|v| v.clamp(-30.0, 30.0)).collect();
+        let run = |backend| {
+            let mut silu = values.clone();
+            silu_mul(backend, &mut silu, &up);
+            let mut probs = finite.clone();
+            softmax_in_place(backend, &mut probs);
+            (silu, probs)
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let (silu, probs) = run(Backend::Scalar);
+        // Six rows softmaxed together (a group of four side by side, then two), each its own
+        // values: the one above, then shifted copies.
+        let rows: Vec<f32> = (0..6)
+            .flat_map(|r| finite.iter().map(move |v| v + r as f32 * 0.37))
+            .collect();
+        let rows_alone: Vec<f32> = rows
+            .chunks(len)
+            .flat_map(|row| {
+                let mut row = row.to_vec();
+                softmax_in_place(Backend::Scalar, &mut row);
+                row
+            })
+            .collect();
+        for backend in Backend::available() {
+            let (s, p) = run(backend);
+            assert_eq!(bits(&s), bits(&silu), "{backend:?} SwiGLU, length {len}");
+            assert_eq!(bits(&p), bits(&probs), "{backend:?} softmax, length {len}");
+            let mut together = rows.clone();
+            softmax_rows_in_place(backend, &mut together, len);
+            assert_eq!(
+                bits(&together),
+                bits(&rows_alone),
+                "{backend:?} softmax of rows side by side, length {len}"
+            );
+        }
+    }
+}
+
 proptest! {
     #[test]
     fn matmul_never_panics_on_arbitrary_weight_bytes(bytes in proptest::collection::vec(any::<u8>(), 8 * 34 * 2)) {
