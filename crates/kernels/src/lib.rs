@@ -27,8 +27,8 @@ pub use backend::Backend;
 pub use expf::expf;
 pub use matrix::{QuantMatrix, WeightFormat};
 pub use ops::{
-    add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rope_in_place, silu_mul,
-    softmax_in_place, softmax_rows_in_place, RopeTable,
+    add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rms_norm_rows, rope_in_place,
+    silu_mul, softmax_in_place, softmax_rows_in_place, RopeTable,
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::Workers;

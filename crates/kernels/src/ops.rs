@@ -11,6 +11,61 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     assert_eq!(x.len(), weight.len(), "norm weight matches the row width");
     assert_eq!(x.len(), out.len(), "norm output matches the row width");
     let sum_sq: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    scale_row(x, weight, eps, sum_sq, out);
+}
+
+/// [`rms_norm`] of each `weight.len()`-wide row of `x` into `out`, each row's bits those of
+/// `rms_norm`. A row's f64 sum of squares is a chain of dependent adds in index order (the
+/// reference's order, so its bits); here up to four rows' chains run side by side, so they
+/// overlap instead of each waiting on add latency.
+pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    assert!(
+        width > 0 && x.len().is_multiple_of(width),
+        "whole rows of the norm weight's width"
+    );
+    assert_eq!(x.len(), out.len(), "norm output matches the rows");
+    let rows = x.len() / width;
+    let mut first = 0;
+    while first < rows {
+        let count = (rows - first).min(SIDE_BY_SIDE);
+        let x = &x[first * width..(first + count) * width];
+        let sums = match count {
+            4 => sums_of_squares::<4>(x, width),
+            3 => sums_of_squares::<3>(x, width),
+            2 => sums_of_squares::<2>(x, width),
+            _ => sums_of_squares::<1>(x, width),
+        };
+        let out = &mut out[first * width..(first + count) * width];
+        for ((x, out), sum_sq) in x
+            .chunks_exact(width)
+            .zip(out.chunks_exact_mut(width))
+            .zip(sums)
+        {
+            scale_row(x, weight, eps, sum_sq, out);
+        }
+        first += count;
+    }
+}
+
+/// Rows whose f64 chains [`rms_norm_rows`] and [`softmax_rows_in_place`] run side by side.
+const SIDE_BY_SIDE: usize = 4;
+
+/// Each of the first N `width`-wide rows of `x`: Σ v² in f64, in index order.
+fn sums_of_squares<const N: usize>(x: &[f32], width: usize) -> [f64; SIDE_BY_SIDE] {
+    assert!(N <= SIDE_BY_SIDE && x.len() >= N * width, "N whole rows");
+    let mut sums = [0f64; SIDE_BY_SIDE];
+    for i in 0..width {
+        for (r, sum) in sums.iter_mut().enumerate().take(N) {
+            let v = x[r * width + i] as f64;
+            *sum += v * v;
+        }
+    }
+    sums
+}
+
+/// `out = x / rms · weight`, from the row's sum of squares.
+fn scale_row(x: &[f32], weight: &[f32], eps: f32, sum_sq: f64, out: &mut [f32]) {
     let mean = (sum_sq / x.len() as f64) as f32;
     let scale = 1.0 / (mean + eps).sqrt();
     for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
@@ -63,8 +118,6 @@ pub fn softmax_in_place(backend: Backend, x: &mut [f32]) {
 /// reference's order, so its bits); the rows' chains run side by side here instead of one
 /// after another, so they overlap rather than each waiting on add latency.
 pub fn softmax_rows_in_place(backend: Backend, rows: &mut [f32], len: usize) {
-    /// Rows whose sums run side by side.
-    const SIDE_BY_SIDE: usize = 4;
     assert!(
         len > 0 && rows.len().is_multiple_of(len),
         "whole rows of {len} values"

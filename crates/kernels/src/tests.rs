@@ -407,6 +407,34 @@ fn rms_norm_and_softmax_basics() {
     assert!((p[0] - 0.25).abs() < 1e-6 && p[2] == 0.0 && (p[3] - 0.5).abs() < 1e-6);
 }
 
+/// RMSNorm of rows side by side gives each row the bits of `rms_norm` alone, for every count
+/// of rows up to two groups of four and more, at the model's width and an odd one.
+#[test]
+fn rms_norm_of_rows_side_by_side_equals_each_row_alone_bit_for_bit() {
+    let mut rng = Rng(23);
+    for width in [7, 576] {
+        let weight: Vec<f32> = (0..width).map(|_| rng.f32() * 2.0).collect();
+        for rows in 1..=9 {
+            // Magnitudes from 1e-3 to 1e3: rows' norms differ widely, so a row normed with
+            // another row's sum shows.
+            let x: Vec<f32> = (0..rows * width)
+                .map(|i| rng.f32() * 10f32.powi((i % 7) as i32 - 3))
+                .collect();
+            let mut together = vec![0f32; x.len()];
+            rms_norm_rows(&x, &weight, 1e-5, &mut together);
+            for (r, (x, got)) in x.chunks(width).zip(together.chunks(width)).enumerate() {
+                let mut alone = vec![0f32; width];
+                rms_norm(x, &weight, 1e-5, &mut alone);
+                let same = alone
+                    .iter()
+                    .zip(got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "width {width}, {rows} rows: row {r} differs");
+            }
+        }
+    }
+}
+
 /// SwiGLU and softmax (the two `expf` users) give every backend the same bits, and softmax
 /// of rows side by side gives each row the bits of softmax alone, at lengths
 /// that leave partial registers of 8 and 16 lanes, and with values past `expf`'s special

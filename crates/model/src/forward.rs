@@ -4,7 +4,8 @@ use crate::{Error, Logits, Model, Result};
 use half::{f16, slice::HalfFloatSliceExt};
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
 use kernels::{
-    add_in_place, quantize_acts, quantize_blocks, rms_norm, silu_mul, KvHeadAttention, QuantActs,
+    add_in_place, quantize_acts, quantize_blocks, rms_norm, rms_norm_rows, silu_mul,
+    KvHeadAttention, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
 
@@ -224,14 +225,22 @@ impl Model {
         acts: &mut QuantActs,
     ) {
         let dim = self.config.dim;
-        self.fill_and_quantize(normed, dim, acts, &|row, normed| {
-            self.rms_norm(&x[row * dim..][..dim], weight, normed)
+        self.fill_and_quantize(normed, dim, acts, &|first_row, normed| {
+            let x = &x[first_row * dim..][..normed.len()];
+            if self.exact().is_some() {
+                for (x, normed) in x.chunks_exact(dim).zip(normed.chunks_exact_mut(dim)) {
+                    ggml_exact::rms_norm(x, weight, self.config.norm_eps, normed);
+                }
+            } else {
+                rms_norm_rows(x, weight, self.config.norm_eps, normed);
+            }
         });
     }
 
-    /// Runs `fill(row, out_row)` on each `cols`-wide row of `out`, then quantizes the rows into
-    /// `acts`: a few rows per task, spread over the workers (this per-row glue between matmuls
-    /// would otherwise leave all threads but one waiting).
+    /// Runs `fill(first_row, rows)` on runs of whole `cols`-wide rows of `out` (`rows` starts
+    /// at row `first_row`), then quantizes the rows into `acts`: a few rows per task, spread
+    /// over the workers (this per-row glue between matmuls would otherwise leave all threads
+    /// but one waiting).
     fn fill_and_quantize(
         &self,
         out: &mut [f32],
@@ -246,9 +255,7 @@ impl Model {
             (out, rows_per_task * cols),
             (blocks, rows_per_task * cols / kernels::BLOCK),
             |task, out, blocks| {
-                for (i, row) in out.chunks_exact_mut(cols).enumerate() {
-                    fill(task * rows_per_task + i, row);
-                }
+                fill(task * rows_per_task, out);
                 quantize_blocks(out, blocks);
             },
         );
@@ -396,13 +403,16 @@ impl Model {
             .gate_up
             .matmul(self.backend, &self.workers, &b.acts, &mut b.gate_up);
         let gate_up = &b.gate_up;
-        self.fill_and_quantize(&mut b.hidden, c.ffn_dim, &mut b.acts, &|row, hidden| {
-            let (gate, up) = gate_up[row * 2 * c.ffn_dim..][..2 * c.ffn_dim].split_at(c.ffn_dim);
-            hidden.copy_from_slice(gate);
-            if let Some(build) = self.exact() {
-                ggml_exact::silu_mul(build, hidden, up);
-            } else {
-                silu_mul(self.backend, hidden, up);
+        self.fill_and_quantize(&mut b.hidden, c.ffn_dim, &mut b.acts, &|first_row, rows| {
+            for (i, hidden) in rows.chunks_exact_mut(c.ffn_dim).enumerate() {
+                let gate_up = &gate_up[(first_row + i) * 2 * c.ffn_dim..][..2 * c.ffn_dim];
+                let (gate, up) = gate_up.split_at(c.ffn_dim);
+                hidden.copy_from_slice(gate);
+                if let Some(build) = self.exact() {
+                    ggml_exact::silu_mul(build, hidden, up);
+                } else {
+                    silu_mul(self.backend, hidden, up);
+                }
             }
         });
         weights
