@@ -30,12 +30,7 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     while first < rows {
         let count = (rows - first).min(SIDE_BY_SIDE);
         let x = &x[first * width..(first + count) * width];
-        let sums = match count {
-            4 => sums_of_squares::<4>(x, width),
-            3 => sums_of_squares::<3>(x, width),
-            2 => sums_of_squares::<2>(x, width),
-            _ => sums_of_squares::<1>(x, width),
-        };
+        let sums = row_sums(x, width, |v| (v as f64) * (v as f64));
         let out = &mut out[first * width..(first + count) * width];
         for ((x, out), sum_sq) in x
             .chunks_exact(width)
@@ -51,14 +46,28 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// Rows whose f64 chains [`rms_norm_rows`] and [`softmax_rows_in_place`] run side by side.
 const SIDE_BY_SIDE: usize = 4;
 
-/// Each of the first N `width`-wide rows of `x`: Σ v² in f64, in index order.
-fn sums_of_squares<const N: usize>(x: &[f32], width: usize) -> [f64; SIDE_BY_SIDE] {
-    assert!(N <= SIDE_BY_SIDE && x.len() >= N * width, "N whole rows");
+/// For each `width`-wide row of `x` (at most [`SIDE_BY_SIDE`] rows): Σ term(v) in f64, in
+/// index order, the rows' chains of adds interleaved.
+fn row_sums(x: &[f32], width: usize, term: impl Fn(f32) -> f64) -> [f64; SIDE_BY_SIDE] {
+    match x.len() / width {
+        4 => row_sums_of::<4>(x, width, term),
+        3 => row_sums_of::<3>(x, width, term),
+        2 => row_sums_of::<2>(x, width, term),
+        _ => row_sums_of::<1>(x, width, term),
+    }
+}
+
+/// `row_sums` for exactly N rows (a constant, so the inner loop unrolls).
+fn row_sums_of<const N: usize>(
+    x: &[f32],
+    width: usize,
+    term: impl Fn(f32) -> f64,
+) -> [f64; SIDE_BY_SIDE] {
+    assert!(N <= SIDE_BY_SIDE && x.len() == N * width, "N whole rows");
     let mut sums = [0f64; SIDE_BY_SIDE];
     for i in 0..width {
         for (r, sum) in sums.iter_mut().enumerate().take(N) {
-            let v = x[r * width + i] as f64;
-            *sum += v * v;
+            *sum += term(x[r * width + i]);
         }
     }
     sums
@@ -127,13 +136,7 @@ pub fn softmax_rows_in_place(backend: Backend, rows: &mut [f32], len: usize) {
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
             exp_shifted(backend, row, max);
         }
-        let count = group.len() / len;
-        let mut sums = [0f64; SIDE_BY_SIDE];
-        for i in 0..len {
-            for (r, sum) in sums.iter_mut().enumerate().take(count) {
-                *sum += group[r * len + i] as f64;
-            }
-        }
+        let sums = row_sums(group, len, |v| v as f64);
         for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
             let inv = (1.0 / sum) as f32;
             for v in row.iter_mut() {
