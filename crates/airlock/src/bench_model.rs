@@ -39,6 +39,8 @@ struct Figures {
     threads: usize,
     prefill_tok_s: f64,
     decode_tok_s: Vec<(usize, f64)>,
+    /// The median over rounds of the largest batch's aggregate over batch 1's in that round.
+    scaling: Option<f64>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -64,7 +66,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     let largest = args.batches.iter().copied().max().unwrap_or(1);
     println!(
-        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode | b{largest} / b1",
+        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode | b{largest} / b1 (median of rounds)",
         args.prefill_tokens
     );
     for (f, peer) in &rows {
@@ -72,7 +74,6 @@ pub fn run(args: Args) -> Result<()> {
         let b1 = batch(1);
         let rp = peer.as_ref().map(|p| f.prefill_tok_s / p.prefill_tok_s);
         let rd = peer.as_ref().zip(b1).map(|(p, b1)| b1 / p.decode_tok_s);
-        let scaling = batch(largest).zip(b1).map(|(b, b1)| b / b1);
         println!(
             "{:7} | {:17.1} | {:>15} | {:>13} | {:>12} | {:>8}",
             f.threads,
@@ -80,7 +81,7 @@ pub fn run(args: Args) -> Result<()> {
             cell(b1, "", 1),
             cell(rp, "x", 2),
             cell(rd, "x", 2),
-            cell(scaling, "x", 2),
+            cell(f.scaling, "x", 2),
         );
     }
     Ok(())
@@ -172,10 +173,12 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
             prefill.push(prompt.len() as f64 / secs); // rep 0 warms caches and threads
         }
     }
-    let mut decode = Vec::new();
-    for &batch in &args.batches {
-        let mut samples = Vec::new();
-        for _ in 0..args.reps.clamp(1, 3) {
+    // Rounds of every batch size in turn rather than all of one size, then the next: this
+    // shared machine moves between a fast and a slow mode, and a size measured only in one of
+    // them would make the batch-16 / batch-1 ratio a comparison of modes, not of batch sizes.
+    let mut samples = vec![Vec::new(); args.batches.len()];
+    for _ in 0..args.reps {
+        for (samples, &batch) in samples.iter_mut().zip(&args.batches) {
             samples.push(decode_run(
                 model,
                 &mut pool,
@@ -184,12 +187,30 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
                 &prompt[..16],
             )?);
         }
-        decode.push((batch, median(&mut samples)));
     }
+    let of_size = |size| args.batches.iter().position(|&b| b == size);
+    let largest = args.batches.iter().copied().max().unwrap_or(1);
+    // Each round's ratio compares two measurements seconds apart, in the same mode as often
+    // as not; their median is steadier than the ratio of two medians.
+    let scaling = of_size(1).zip(of_size(largest)).map(|(one, big)| {
+        let mut ratios: Vec<f64> = samples[big]
+            .iter()
+            .zip(&samples[one])
+            .map(|(big, one)| big / one)
+            .collect();
+        median(&mut ratios)
+    });
+    let decode = args
+        .batches
+        .iter()
+        .zip(&mut samples)
+        .map(|(&batch, samples)| (batch, median(samples)))
+        .collect();
     Ok(Figures {
         threads,
         prefill_tok_s: median(&mut prefill),
         decode_tok_s: decode,
+        scaling,
     })
 }
 
