@@ -192,14 +192,9 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     let largest = args.batches.iter().copied().max().unwrap_or(1);
     // Each round's ratio compares two measurements seconds apart, in the same mode as often
     // as not; their median is steadier than the ratio of two medians.
-    let scaling = of_size(1).zip(of_size(largest)).map(|(one, big)| {
-        let mut ratios: Vec<f64> = samples[big]
-            .iter()
-            .zip(&samples[one])
-            .map(|(big, one)| big / one)
-            .collect();
-        median(&mut ratios)
-    });
+    let scaling = of_size(1)
+        .zip(of_size(largest))
+        .map(|(one, big)| median_of_round_ratios(&samples[big], &samples[one]));
     let decode = args
         .batches
         .iter()
@@ -265,6 +260,12 @@ fn decode_run(
     Ok((batch * steps) as f64 / secs)
 }
 
+/// The median over rounds of `big[r] / small[r]`.
+fn median_of_round_ratios(big: &[f64], small: &[f64]) -> f64 {
+    let mut ratios: Vec<f64> = big.iter().zip(small).map(|(b, s)| b / s).collect();
+    median(&mut ratios)
+}
+
 fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
@@ -312,4 +313,27 @@ fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
         prefill_tok_s: json["prefill_512_tok_s"].as_f64()?,
         decode_tok_s: json["decode_128_tok_s"].as_f64()?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rounds pair each batch-16 figure with the batch-1 figure of its own round: a slow round
+    /// on both sides keeps its ratio, where the ratio of the medians would mix rounds.
+    #[test]
+    fn scaling_is_the_median_of_each_rounds_own_ratio() {
+        let batch16 = [1500.0, 1100.0, 1480.0];
+        let batch1 = [300.0, 220.0, 310.0];
+        let ratio = median_of_round_ratios(&batch16, &batch1);
+        assert!(
+            (ratio - 5.0).abs() < 1e-9,
+            "rounds' ratios 5.0, 5.0, 4.77: got {ratio}"
+        );
+        let of_medians = 1480.0 / 300.0;
+        assert!(
+            (ratio - of_medians).abs() > 0.05,
+            "differs from the ratio of medians"
+        );
+    }
 }
