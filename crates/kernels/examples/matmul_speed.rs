@@ -1,5 +1,7 @@
 //! Micro-benchmark of one quantized matmul: `cargo run --release -p kernels --example
-//! matmul_speed -- ROWS COLS TOKENS [COPIES]` prints GMAC/s per backend (one thread).
+//! matmul_speed -- ROWS COLS TOKENS [COPIES] [THREADS]` prints GMAC/s per backend (one thread
+//! unless THREADS says more), and for Q8_0 on a VNNI CPU also with the turned copy the model
+//! keeps of its output projection (`QuantMatrix::add_vnni_layout`).
 
 use kernels::{quantize_acts, Backend, QuantActs, QuantMatrix, WeightFormat};
 use std::time::Instant;
@@ -17,12 +19,12 @@ fn main() {
     // COPIES (4th argument): distinct copies of the matrix, cycled, so a set larger than the
     // last-level cache streams from memory as a model's layers do.
     let copies = args.get(3).copied().unwrap_or(1).max(1);
-    let workers = kernels::Workers::new(1);
+    let workers = kernels::Workers::new(args.get(4).copied().unwrap_or(1).max(1));
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let bytes: Vec<u8> = (0..rows * cols / 32 * format.block_bytes())
             .map(|i| (i * 7 % 251) as u8 & 0x3f)
             .collect();
-        let matrices: Vec<QuantMatrix> = (0..copies)
+        let mut matrices: Vec<QuantMatrix> = (0..copies)
             .map(|_| QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).expect("valid shape"))
             .collect();
         let x: Vec<f32> = (0..tokens * cols)
@@ -31,16 +33,26 @@ fn main() {
         let mut acts = QuantActs::default();
         quantize_acts(&x, tokens, cols, &mut acts);
         let mut out = vec![0f32; rows * tokens];
-        for backend in Backend::available() {
+        let time = |matrices: &[QuantMatrix], backend: Backend, out: &mut [f32]| {
             let reps = (2e9 / (rows * cols * tokens) as f64).max(3.0) as usize;
             let started = Instant::now();
             for rep in 0..reps {
-                matrices[rep % copies].matmul(backend, &workers, &acts, &mut out)
+                matrices[rep % copies].matmul(backend, &workers, &acts, out)
             }
-            let secs = started.elapsed().as_secs_f64();
+            (rows * cols * tokens * reps) as f64 / started.elapsed().as_secs_f64() / 1e9
+        };
+        for backend in Backend::available() {
+            let gmacs = time(&matrices, backend, &mut out);
+            println!("{format:?} {backend:?} {rows}x{cols} x{tokens}: {gmacs:.2} GMAC/s");
+        }
+        // Q8_0 again with the VNNI kernel's turned copy, where the CPU has VNNI.
+        for matrix in &mut matrices {
+            matrix.add_vnni_layout();
+        }
+        if matrices[0].has_vnni_layout() {
+            let gmacs = time(&matrices, Backend::Avx512Vnni, &mut out);
             println!(
-                "{format:?} {backend:?} {rows}x{cols} x{tokens}: {:.2} GMAC/s",
-                (rows * cols * tokens * reps) as f64 / secs / 1e9
+                "{format:?} Avx512Vnni (turned copy) {rows}x{cols} x{tokens}: {gmacs:.2} GMAC/s"
             );
         }
     }

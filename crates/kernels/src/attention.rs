@@ -67,6 +67,21 @@ impl KvHeadAttention<'_> {
         );
     }
 
+    /// The written values among slots `slots` of page `page`: a range within that page's
+    /// `page_size × head_dim` values, or `None` when none of those slots holds a position
+    /// below `len` (slots past it may hold an earlier owner's bytes: not even a prefetch
+    /// goes there).
+    pub(crate) fn written_slots(
+        &self,
+        page: usize,
+        slots: std::ops::Range<usize>,
+    ) -> Option<std::ops::Range<usize>> {
+        let first = page.checked_mul(self.page_size)?;
+        let written = self.len.checked_sub(first)?.min(self.page_size);
+        let end = slots.end.min(written);
+        (slots.start < end).then(|| slots.start * self.head_dim..end * self.head_dim)
+    }
+
     /// One head at a time, page by page: the plain arithmetic.
     pub(crate) fn run_per_head(&self, backend: Backend, queries: &[f32], out: &mut [f32]) {
         let heads = queries

@@ -412,27 +412,49 @@ mod x86 {
         }
     }
 
-    /// Pages whose K (or V) slots are requested ahead of their use. Pages are scattered and
-    /// one head's slots of a page are only `page_size × head_dim` values, too short a run for
-    /// the hardware prefetcher to pick up before it ends.
-    const PAGES_AHEAD: usize = 4;
+    /// How many pages ahead of the keys being scored their successors' lines are requested.
+    /// Pages are scattered and one head's slots of a page are only `page_size × head_dim`
+    /// values, too short a run for the hardware prefetcher to pick up before it ends.
+    const KEY_PAGES_AHEAD: usize = 2;
 
-    /// Asks for the cache lines of `page`'s slots below `len` in `pages`, if there is such a
-    /// page (positions past `len` are never touched, not even by a prefetch). Into L2 (`T1`),
-    /// not L1: a burst of prefetches into L1 waits on L1's few miss buffers, and batch-16
-    /// attention ran a third faster this way (`examples/attention_speed`, 16 × 80: 5.7 →
-    /// 3.8 ms per step; BENCHMARKS.md).
+    /// Asks for the cache lines of slots `slots` of `page` in `pages` (one head's keys or
+    /// values), keeping to written positions: positions past `len` are never touched, not
+    /// even by a prefetch. Into L2 (`T1`), not L1: a burst of prefetches into L1 waits on
+    /// L1's few miss buffers (batch-16 attention ran a third faster into L2; BENCHMARKS.md).
+    ///
+    /// The scores pass asks for a few slots at a time as it goes rather than whole pages at
+    /// once: a page-sized burst fills the core's miss buffers, and what does not fit is
+    /// dropped or holds up the loads that compute. Spread out, `examples/attention_speed`
+    /// 16 × 80 from memory went from 3.4 to 2.4 ms per step on one thread (16 × 500: 17.8 →
+    /// 13.3 ms), and a 2-thread batch-16 decode step 4–6 % faster (BENCHMARKS.md).
     #[inline(always)]
-    unsafe fn prefetch_page(att: &KvHeadAttention, pages: &[&[f16]], page: usize) {
-        let first = page * att.page_size;
-        if first >= att.len || page >= pages.len() {
+    unsafe fn prefetch_slots(
+        att: &KvHeadAttention,
+        pages: &[&[f16]],
+        page: usize,
+        slots: std::ops::Range<usize>,
+    ) {
+        let (Some(page_values), Some(written)) = (pages.get(page), att.written_slots(page, slots))
+        else {
             return;
-        }
-        let bytes = (att.len - first).min(att.page_size) * att.head_dim * size_of::<f16>();
-        let start = pages[page].as_ptr() as *const i8;
-        for offset in (0..bytes).step_by(64) {
+        };
+        let start = page_values.as_ptr().wrapping_add(written.start) as *const i8;
+        for offset in (0..written.len() * size_of::<f16>()).step_by(64) {
             _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(offset));
         }
+    }
+
+    /// As the scores pass goes through slots `slots` of `page`: asks for the same slots'
+    /// keys `KEY_PAGES_AHEAD` pages on, and for this page's values, which `mix` reads after
+    /// the softmax.
+    #[inline(always)]
+    unsafe fn prefetch_while_scoring(
+        att: &KvHeadAttention,
+        page: usize,
+        slots: std::ops::Range<usize>,
+    ) {
+        prefetch_slots(att, att.keys, page + KEY_PAGES_AHEAD, slots.clone());
+        prefetch_slots(att, att.values, page, slots);
     }
 
     /// `probs[g * len + pos] = scale · (q_g · key_pos)` for the G heads of `q`.
@@ -451,13 +473,10 @@ mod x86 {
         let scale = _mm_set1_ps(att.scale);
         let q = q.as_ptr();
         let pages = len.div_ceil(att.page_size);
-        for page in 0..PAGES_AHEAD.min(pages) {
-            prefetch_page(att, att.keys, page);
-            // The first values too, for `mix` after the softmax.
-            prefetch_page(att, att.values, page);
+        for page in 0..KEY_PAGES_AHEAD {
+            prefetch_slots(att, att.keys, page, 0..att.page_size);
         }
         for (page, keys) in att.keys.iter().enumerate().take(pages) {
-            prefetch_page(att, att.keys, page + PAGES_AHEAD);
             let first = page * att.page_size;
             let slots = (len - first).min(att.page_size);
             let keys = keys.as_ptr();
@@ -465,6 +484,7 @@ mod x86 {
             // Four keys per pass: each key chunk is widened once for the G heads, and one
             // reduction tree finishes four dot products per head.
             while i + 4 <= slots {
+                prefetch_while_scoring(att, page, i..i + 4);
                 let mut acc = [[_mm256_setzero_ps(); 4]; G];
                 for c in (0..hd).step_by(8) {
                     for k in 0..4 {
@@ -488,6 +508,7 @@ mod x86 {
                 i += 4;
             }
             while i < slots {
+                prefetch_while_scoring(att, page, i..i + 1);
                 let mut acc = [_mm256_setzero_ps(); G];
                 for c in (0..hd).step_by(8) {
                     let key = keys.add(i * hd + c) as *const __m128i;
@@ -506,7 +527,7 @@ mod x86 {
 
     /// `out[g] = Σ_pos probs[g * len + pos] · value_pos` for the G heads of `out`, 32 values
     /// of each head per pass so the sums stay in registers. Each output value is one chain
-    /// of FMAs in position order, whatever G is.
+    /// of FMAs in position order, whatever G is. The values were requested during `scores`.
     ///
     /// # Safety
     /// As `scores`, with `probs` G × `len` values and `out` G heads.
@@ -527,9 +548,6 @@ mod x86 {
                 .enumerate()
                 .take(len.div_ceil(att.page_size))
             {
-                if part == 0 {
-                    prefetch_page(att, att.values, page + PAGES_AHEAD);
-                }
                 let first = page * att.page_size;
                 let slots = (len - first).min(att.page_size);
                 for slot in 0..slots {

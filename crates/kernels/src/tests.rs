@@ -162,20 +162,49 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
             }
             let mut acts = QuantActs::default();
             quantize_acts(&x, tokens, cols, &mut acts);
-            let run = |backend| {
+            // The same matrix with the VNNI kernel's own copy of its blocks (Q8_0 only).
+            let mut turned = matrix.clone();
+            turned.add_vnni_layout();
+            assert_eq!(turned.has_vnni_layout(), format == WeightFormat::Q8_0);
+            let run = |matrix: &QuantMatrix, backend| {
                 let mut out = vec![0f32; tokens * rows];
                 matrix.matmul(backend, &workers, &acts, &mut out);
                 out
             };
-            let (avx2, vnni) = (run(Backend::Avx2), run(Backend::Avx512Vnni));
-            for (i, (a, v)) in avx2.iter().zip(&vnni).enumerate() {
-                assert_eq!(
-                    a.to_bits(),
-                    v.to_bits(),
-                    "{format:?} {rows}x{cols} x{tokens}: out[{i}] avx2 {a} vs vnni {v}"
-                );
+            let avx2 = run(&matrix, Backend::Avx2);
+            for (layout, matrix) in [("plain", &matrix), ("turned", &turned)] {
+                let vnni = run(matrix, Backend::Avx512Vnni);
+                for (i, (a, v)) in avx2.iter().zip(&vnni).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        v.to_bits(),
+                        "{format:?} {rows}x{cols} x{tokens} {layout}: out[{i}] avx2 {a} vs vnni {v}"
+                    );
+                }
             }
         }
+    }
+}
+
+/// The VNNI copy is made once, counted in `bytes`, and left out where it would not be used.
+#[test]
+fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
+    let mut rng = Rng(22);
+    let vnni = Backend::available().contains(&Backend::Avx512Vnni);
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        let bytes = match format {
+            WeightFormat::Q4_1 => random_q41(&mut rng, 40, 64).0,
+            WeightFormat::Q8_0 => random_q80(&mut rng, 40, 64).0,
+        };
+        let mut matrix = QuantMatrix::from_gguf_bytes(format, 40, 64, &bytes).unwrap();
+        let plain = matrix.bytes();
+        matrix.add_vnni_layout();
+        matrix.add_vnni_layout();
+        let copied = vnni && format == WeightFormat::Q8_0;
+        assert_eq!(matrix.has_vnni_layout(), copied, "{format:?}");
+        // 5 groups make 3 pairs (the last one twice), 2 blocks wide, 544 bytes a block.
+        let copy = if copied { 3 * 2 * 544 } else { 0 };
+        assert_eq!(matrix.bytes(), plain + copy, "{format:?}");
     }
 }
 
@@ -624,5 +653,42 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
                 assert!((g - p).abs() < 2e-3, "{case}: out[{i}] {g} vs plain {p}");
             }
         }
+    }
+}
+
+/// What attention prefetches of a page is exactly its slots that hold positions below `len`,
+/// among those asked for: never a slot past `len`, which may hold an earlier owner's bytes.
+#[test]
+fn written_slots_stop_at_the_last_written_position() {
+    let (page_size, head_dim) = (8, 4);
+    let no_pages: Vec<&[f16]> = Vec::new();
+    for len in 1..=30 {
+        let att = crate::KvHeadAttention {
+            keys: &no_pages,
+            values: &no_pages,
+            page_size,
+            head_dim,
+            len,
+            scale: 1.0,
+        };
+        for page in 0..6 {
+            for start in 0..=page_size {
+                for end in start..=page_size + 2 {
+                    let written: Vec<usize> = (start..end.min(page_size))
+                        .filter(|slot| page * page_size + slot < len)
+                        .collect();
+                    let expected = match (written.first(), written.last()) {
+                        (Some(&a), Some(&b)) => Some(a * head_dim..(b + 1) * head_dim),
+                        _ => None,
+                    };
+                    assert_eq!(
+                        att.written_slots(page, start..end),
+                        expected,
+                        "len {len}, page {page}, slots {start}..{end}"
+                    );
+                }
+            }
+        }
+        assert_eq!(att.written_slots(usize::MAX, 0..1), None, "no overflow");
     }
 }

@@ -12,11 +12,11 @@
 //! kernel, one group at a time.
 
 use crate::avx2;
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
+use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS};
 
 /// Below this many tokens the AVX2 kernels are faster (the turn-around costs more than the
 /// reduction tree it saves when there is nothing to share it with); same results either way.
-const MIN_TOKENS: usize = 4;
+pub(crate) const MIN_TOKENS: usize = 4;
 
 /// Whether a job of `tokens` tokens should take these kernels.
 pub(crate) fn worth_it(tokens: usize) -> bool {
@@ -80,6 +80,34 @@ pub(crate) fn q80_pair(groups: [&[Q80GroupBlock]; 2], mut job: GroupJob) {
     for_each_group(job, |g, job| avx2::q80_group(groups[g], job));
 }
 
+/// As `q80_pair`, from blocks already turned ([`crate::QuantMatrix::add_vnni_layout`]): the
+/// same sums and float steps without the shuffles. Only on a CPU with VNNI (the turned copy is
+/// only made there): there is no AVX2 kernel for this layout.
+pub(crate) fn q80_turned_pair(pairs: &[Q80PairBlock], mut job: GroupJob) {
+    let rows = job.rows();
+    assert!(
+        rows == GROUP_ROWS || rows == 2 * GROUP_ROWS,
+        "one or two groups"
+    );
+    job.check(pairs.len(), rows);
+    assert!(
+        cpu_ok(),
+        "turned Q8_0 blocks are only made on a CPU with VNNI"
+    );
+    #[cfg(target_arch = "x86_64")]
+    for_token_runs(job.tokens.clone(), |first, width| {
+        // SAFETY: as in `q41_pair` (`cpu_ok` asserted above, the job checked against the
+        // pair's blocks).
+        unsafe {
+            match width {
+                8 => x86::q80_turned_tokens::<8>(pairs, &mut job, first),
+                4 => x86::q80_turned_tokens::<4>(pairs, &mut job, first),
+                _ => x86::q80_turned_tokens::<1>(pairs, &mut job, first),
+            }
+        }
+    });
+}
+
 /// Both groups' blocks match the activations, and the job is for 8 or 16 rows.
 fn check_pair<B>(groups: [&[B]; 2], job: &GroupJob) {
     let rows = job.rows();
@@ -102,7 +130,7 @@ fn for_each_group(mut job: GroupJob, kernel: impl Fn(usize, GroupJob)) {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
+    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS};
     use crate::ActBlock;
     use std::arch::x86_64::*;
     use std::mem::size_of;
@@ -181,6 +209,7 @@ mod x86 {
     const _: () = assert!(
         std::mem::offset_of!(Q41GroupBlock, qs) == 0
             && std::mem::offset_of!(Q80GroupBlock, qs) == 0
+            && std::mem::offset_of!(Q80PairBlock, qs) == 0
     );
 
     /// How far ahead to prefetch: the same block of the next pair of groups (which follows
@@ -345,6 +374,51 @@ mod x86 {
             }
             let d = scales_pair(&w0.d, &w1.d);
             // Column dwords outermost, as in `q41_tokens`.
+            let a = blocks_at::<N>(&rows, b);
+            let mut sumi = [_mm512_setzero_si512(); N];
+            for n in 0..N {
+                sumi[n] = _mm512_set1_epi32(-128 * a[n].qsum);
+            }
+            for (k, weights) in biased.iter().enumerate() {
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], *weights, act_dword(&a[n].qs, k));
+                }
+            }
+            for n in 0..N {
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
+                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
+            }
+        }
+        for (n, acc) in acc.iter().enumerate() {
+            store_token(job, first + n, *acc);
+        }
+    }
+    /// 16 rows × tokens `first..first + N` of a pair of Q8_0 groups already turned
+    /// ([`Q80PairBlock`]): `q80_tokens` from its `biased` registers on, which here are
+    /// eight plain loads.
+    ///
+    /// # Safety
+    /// As `q41_tokens`, with `job` checked against `pairs`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(super) unsafe fn q80_turned_tokens<const N: usize>(
+        pairs: &[Q80PairBlock],
+        job: &mut GroupJob,
+        first: usize,
+    ) {
+        let acts = job.acts;
+        let rows = token_rows::<N>(acts, first);
+        let mut acc = [_mm512_setzero_ps(); N];
+        // One pair's row of blocks ahead: the same bytes ahead as `q80_tokens` asks for.
+        let ahead = pairs.len().min(32) * size_of::<Q80PairBlock>();
+        for (b, w) in pairs.iter().enumerate() {
+            prefetch_ahead(w, ahead);
+            let p = w as *const Q80PairBlock as *const __m512i;
+            let mut biased = [_mm512_setzero_si512(); 8];
+            for (k, weights) in biased.iter_mut().enumerate() {
+                *weights = _mm512_loadu_si512(p.add(k));
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr() as *const __m256i));
+            // From here on `q80_tokens`' steps, in its order.
             let a = blocks_at::<N>(&rows, b);
             let mut sumi = [_mm512_setzero_si512(); N];
             for n in 0..N {

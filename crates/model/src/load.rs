@@ -139,6 +139,13 @@ impl Model {
         matrices.extend(output.as_mut());
         // One buffer per format, so the weights lie on huge pages (`share_buffers` says why).
         QuantMatrix::share_buffers(&mut matrices);
+        let backend = options.backend.unwrap_or_else(Backend::detect);
+        if backend == Backend::Avx512Vnni {
+            // The output projection only: the shipped model's one Q8_0 matrix, and its largest
+            // (`add_vnni_layout` says why). Copies of a Q8_0 model's every layer would double
+            // its weights for a smaller share of the step.
+            output.as_mut().unwrap_or(&mut embedding).add_vnni_layout();
+        }
         Ok(Model {
             rope: RopeTable::new(
                 config.head_dim,
@@ -150,7 +157,7 @@ impl Model {
             layers,
             output_norm,
             output,
-            backend: options.backend.unwrap_or_else(Backend::detect),
+            backend,
             workers: Workers::new(options.threads),
         })
     }
