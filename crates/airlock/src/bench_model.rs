@@ -177,16 +177,19 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     // shared machine moves between a fast and a slow mode, and a size measured only in one of
     // them would make the batch-16 / batch-1 ratio a comparison of modes, not of batch sizes.
     let mut samples = vec![Vec::new(); args.batches.len()];
-    for _ in 0..args.reps {
+    for round in 1..=args.reps {
+        let mut figures = Vec::new();
         for (samples, &batch) in samples.iter_mut().zip(&args.batches) {
-            samples.push(decode_run(
-                model,
-                &mut pool,
-                batch,
-                args.decode_tokens,
-                &prompt[..16],
-            )?);
+            let tok_s = decode_run(model, &mut pool, batch, args.decode_tokens, &prompt[..16])?;
+            samples.push(tok_s);
+            figures.push(format!("batch {batch} {tok_s:.1}"));
         }
+        // Progress, and each round's own figures: the spread the medians hide.
+        eprintln!(
+            "  {threads} thread(s), decode round {round}/{}: {} tok/s",
+            args.reps,
+            figures.join(", ")
+        );
     }
     let of_size = |size| args.batches.iter().position(|&b| b == size);
     let largest = args.batches.iter().copied().max().unwrap_or(1);

@@ -199,7 +199,9 @@ impl Model {
                 last_rows.push(end - 1);
             }
         }
-        Ok(self.logits(&buffers.x, &last_rows))
+        // The last layer's FFN output is still to be added, to the rows that give logits.
+        let residual = (!self.layers.is_empty()).then_some(&buffers.proj[..]);
+        Ok(self.logits(&buffers.x, residual, &last_rows))
     }
 
     fn buffers(&self, rows: usize) -> Buffers {
@@ -216,25 +218,44 @@ impl Model {
         }
     }
 
-    /// `normed = rms_norm(x) · weight` row by row, quantized into `acts`.
-    fn norm_and_quantize(
+    /// Adds the pending residual (the last block's projection) into `x` where there is one,
+    /// then RMSNorms `x` into `normed` and quantizes it: one region, each task its own rows.
+    /// The add runs here rather than on its own after the matmul that made the projection:
+    /// there it ran on the caller's thread alone while the others waited, 0.13 ms of a 10 ms
+    /// batch-16 step, 0.6 ms when the machine is in its slow mode (where folding it in made
+    /// 2-thread batch-16 steps 2.4–3.5 % faster; 0–0.6 % in the fast mode). Same sums.
+    fn add_norm_and_quantize(
         &self,
-        x: &[f32],
+        x: &mut [f32],
+        residual: Option<&[f32]>,
         weight: &[f32],
         normed: &mut [f32],
         acts: &mut QuantActs,
     ) {
         let dim = self.config.dim;
-        self.fill_and_quantize(normed, dim, acts, &|first_row, normed| {
-            let x = &x[first_row * dim..][..normed.len()];
-            if self.exact().is_some() {
-                for (x, normed) in x.chunks_exact(dim).zip(normed.chunks_exact_mut(dim)) {
-                    ggml_exact::rms_norm(x, weight, self.config.norm_eps, normed);
+        let rows = x.len() / dim;
+        let blocks = acts.reshape(rows, dim);
+        let chunk = rows.div_ceil(4 * self.workers.threads()) * dim;
+        let mut tasks: Vec<_> = x
+            .chunks_mut(chunk)
+            .zip(normed.chunks_mut(chunk))
+            .zip(blocks.chunks_mut(chunk / kernels::BLOCK))
+            .enumerate()
+            .collect();
+        self.workers
+            .for_each_item_mut(&mut tasks, |_, (task, ((x, normed), blocks))| {
+                if let Some(residual) = residual {
+                    add_in_place(x, &residual[*task * chunk..][..x.len()]);
                 }
-            } else {
-                rms_norm_rows(x, weight, self.config.norm_eps, normed);
-            }
-        });
+                if self.exact().is_some() {
+                    for (x, normed) in x.chunks_exact(dim).zip(normed.chunks_exact_mut(dim)) {
+                        ggml_exact::rms_norm(x, weight, self.config.norm_eps, normed);
+                    }
+                } else {
+                    rms_norm_rows(x, weight, self.config.norm_eps, normed);
+                }
+                quantize_blocks(normed, blocks);
+            });
     }
 
     /// Runs `fill(first_row, rows)` on runs of whole `cols`-wide rows of `out` (`rows` starts
@@ -378,7 +399,15 @@ impl Model {
     ) {
         let c = &self.config;
         let weights = &self.layers[layer];
-        self.norm_and_quantize(&b.x, &weights.attn_norm, &mut b.normed, &mut b.acts);
+        // The previous layer's FFN output is still to be added (`add_norm_and_quantize`).
+        let residual = (layer > 0).then_some(&b.proj[..]);
+        self.add_norm_and_quantize(
+            &mut b.x,
+            residual,
+            &weights.attn_norm,
+            &mut b.normed,
+            &mut b.acts,
+        );
         weights
             .qkv
             .matmul(self.backend, &self.workers, &b.acts, &mut b.qkv);
@@ -392,13 +421,20 @@ impl Model {
         weights
             .attn_output
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
-        add_in_place(&mut b.x, &b.proj);
     }
 
+    /// The FFN of `layer`, which first adds the attention block's output into `x`; its own
+    /// output is left in `b.proj` for the next norm to add.
     fn ffn_block(&self, layer: usize, b: &mut Buffers) {
         let c = &self.config;
         let weights = &self.layers[layer];
-        self.norm_and_quantize(&b.x, &weights.ffn_norm, &mut b.normed, &mut b.acts);
+        self.add_norm_and_quantize(
+            &mut b.x,
+            Some(&b.proj),
+            &weights.ffn_norm,
+            &mut b.normed,
+            &mut b.acts,
+        );
         weights
             .gate_up
             .matmul(self.backend, &self.workers, &b.acts, &mut b.gate_up);
@@ -418,7 +454,6 @@ impl Model {
         weights
             .down
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
-        add_in_place(&mut b.x, &b.proj);
     }
 
     /// Causal grouped-query attention for every row, reading K/V from the verified pages.
@@ -542,15 +577,20 @@ impl Model {
             });
     }
 
-    /// Final norm and output projection for the chosen rows.
-    fn logits(&self, x: &[f32], rows: &[usize]) -> Logits {
+    /// Final norm and output projection: the logits of rows `rows` of `x`, after adding their `residual` where there is one.
+    fn logits(&self, x: &[f32], residual: Option<&[f32]>, rows: &[usize]) -> Logits {
         if rows.is_empty() {
             return Logits::none(self.config.vocab_size);
         }
         let c = &self.config;
         let mut normed = vec![0f32; rows.len() * c.dim];
+        let mut row_x = vec![0f32; c.dim];
         for (out, &row) in normed.chunks_exact_mut(c.dim).zip(rows) {
-            self.rms_norm(&x[row * c.dim..(row + 1) * c.dim], &self.output_norm, out);
+            row_x.copy_from_slice(&x[row * c.dim..(row + 1) * c.dim]);
+            if let Some(residual) = residual {
+                add_in_place(&mut row_x, &residual[row * c.dim..(row + 1) * c.dim]);
+            }
+            self.rms_norm(&row_x, &self.output_norm, out);
         }
         let mut acts = QuantActs::default();
         quantize_acts(&normed, rows.len(), c.dim, &mut acts);
