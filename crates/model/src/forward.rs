@@ -577,7 +577,8 @@ impl Model {
             });
     }
 
-    /// Final norm and output projection: the logits of rows `rows` of `x`, after adding their `residual` where there is one.
+    /// Final norm and output projection: the logits of rows `rows` of `x`, after adding their
+    /// `residual` where there is one.
     fn logits(&self, x: &[f32], residual: Option<&[f32]>, rows: &[usize]) -> Logits {
         if rows.is_empty() {
             return Logits::none(self.config.vocab_size);
