@@ -7,9 +7,9 @@
 //! into L1 of before); with 2 sequences kept cached (`CACHED=1 … 2 80`) ~1.7 µs per task: at
 //! batch 16, attention waits on memory. On 2026-12-05, with the K/V requested a few slots at
 //! a time as the scores pass goes instead of whole pages ahead: 16 × 80 3.4 → 2.4 ms per
-//! step (~1.65 µs per task; cached ~1.4 µs), 16 × 500 17.8 → 13.3 ms. The pool is a huge-page buffer like the real one;
-//! `SMALL_PAGES=1` puts it on 4 KiB pages (no difference measured: TLB misses are not what
-//! attention waits on).
+//! step (~1.65 µs per task; cached ~1.4 µs), 16 × 500 17.8 → 13.3 ms. The pool is a
+//! huge-page buffer like the real one; `SMALL_PAGES=1` puts it on 4 KiB pages (no difference
+//! measured: TLB misses are not what attention waits on).
 
 use half::f16;
 use kernels::{Backend, KvHeadAttention};
