@@ -373,29 +373,42 @@ mod x86 {
                     _mm512_xor_si512(_mm512_permutex2var_epi64(top, odd_lanes, bottom), sign_bits);
             }
             let d = scales_pair(&w0.d, &w1.d);
-            // Column dwords outermost, as in `q41_tokens`.
-            let a = blocks_at::<N>(&rows, b);
-            let mut sumi = [_mm512_setzero_si512(); N];
-            for n in 0..N {
-                sumi[n] = _mm512_set1_epi32(-128 * a[n].qsum);
-            }
-            for (k, weights) in biased.iter().enumerate() {
-                for n in 0..N {
-                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], *weights, act_dword(&a[n].qs, k));
-                }
-            }
-            for n in 0..N {
-                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
-                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
-            }
+            q80_block_sums(&biased, d, &blocks_at::<N>(&rows, b), &mut acc);
         }
         for (n, acc) in acc.iter().enumerate() {
             store_token(job, first + n, *acc);
         }
     }
+
+    /// One block of a Q8_0 pair for N tokens, from its turned, biased weights `biased` (lane =
+    /// row, register k = columns 4k..4k+4) and its 16 scales `d`: each token's sum starts at
+    /// −128·Σqs of its activation block, so what the lane ends with is exactly Σ w·a, and is
+    /// scaled into `acc` with the AVX2 kernel's float steps, in its order.
+    #[inline(always)]
+    unsafe fn q80_block_sums<const N: usize>(
+        biased: &[__m512i; 8],
+        d: __m512,
+        a: &[&ActBlock; N],
+        acc: &mut [__m512; N],
+    ) {
+        let mut sumi = [_mm512_setzero_si512(); N];
+        for n in 0..N {
+            sumi[n] = _mm512_set1_epi32(-128 * a[n].qsum);
+        }
+        // Column dwords outermost, as in `q41_tokens`.
+        for (k, weights) in biased.iter().enumerate() {
+            for n in 0..N {
+                sumi[n] = _mm512_dpbusd_epi32(sumi[n], *weights, act_dword(&a[n].qs, k));
+            }
+        }
+        for n in 0..N {
+            let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
+            acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
+        }
+    }
+
     /// 16 rows × tokens `first..first + N` of a pair of Q8_0 groups already turned
-    /// ([`Q80PairBlock`]): `q80_tokens` from its `biased` registers on, which here are
-    /// eight plain loads.
+    /// ([`Q80PairBlock`]): `q80_tokens` with its `biased` registers as eight plain loads.
     ///
     /// # Safety
     /// As `q41_tokens`, with `job` checked against `pairs`.
@@ -418,21 +431,7 @@ mod x86 {
                 *weights = _mm512_loadu_si512(p.add(k));
             }
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(w.d.as_ptr() as *const __m256i));
-            // From here on `q80_tokens`' steps, in its order.
-            let a = blocks_at::<N>(&rows, b);
-            let mut sumi = [_mm512_setzero_si512(); N];
-            for n in 0..N {
-                sumi[n] = _mm512_set1_epi32(-128 * a[n].qsum);
-            }
-            for (k, weights) in biased.iter().enumerate() {
-                for n in 0..N {
-                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], *weights, act_dword(&a[n].qs, k));
-                }
-            }
-            for n in 0..N {
-                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
-                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi[n]), acc[n]);
-            }
+            q80_block_sums(&biased, d, &blocks_at::<N>(&rows, b), &mut acc);
         }
         for (n, acc) in acc.iter().enumerate() {
             store_token(job, first + n, *acc);
