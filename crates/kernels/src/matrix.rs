@@ -266,7 +266,7 @@ impl QuantMatrix {
         let Storage::Q80(blocks) = &self.storage else {
             return;
         };
-        if !vnni::worth_it(vnni::MIN_TOKENS) || self.vnni_q80.is_some() {
+        if !vnni::cpu_ok() || self.vnni_q80.is_some() {
             return;
         }
         let blocks_per_row = self.cols / BLOCK;
@@ -426,16 +426,13 @@ impl QuantMatrix {
                 let second = (first + 1).min(groups.end - 1);
                 let rows = (second - first + 1) * GROUP_ROWS;
                 let pair = job.rows(first, rows);
-                match &self.storage {
-                    Storage::Q41(all) => {
+                match (&self.storage, &self.vnni_q80) {
+                    // Tasks start on even groups, so `first / 2` is this pair's number.
+                    (_, Some(pairs)) => vnni::q80_turned_pair(&pairs[blocks(first / 2)], pair),
+                    (Storage::Q41(all), None) => {
                         vnni::q41_pair([&all[blocks(first)], &all[blocks(second)]], pair)
                     }
-                    // Tasks start on even groups, so `first / 2` is this pair's number.
-                    Storage::Q80(_) if self.vnni_q80.is_some() => {
-                        let pairs = self.vnni_q80.as_ref().expect("checked in the guard");
-                        vnni::q80_turned_pair(&pairs[blocks(first / 2)], pair)
-                    }
-                    Storage::Q80(all) => {
+                    (Storage::Q80(all), None) => {
                         vnni::q80_pair([&all[blocks(first)], &all[blocks(second)]], pair)
                     }
                 }

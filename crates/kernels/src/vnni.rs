@@ -16,14 +16,15 @@ use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_
 
 /// Below this many tokens the AVX2 kernels are faster (the turn-around costs more than the
 /// reduction tree it saves when there is nothing to share it with); same results either way.
-pub(crate) const MIN_TOKENS: usize = 4;
+const MIN_TOKENS: usize = 4;
 
 /// Whether a job of `tokens` tokens should take these kernels.
 pub(crate) fn worth_it(tokens: usize) -> bool {
     tokens >= MIN_TOKENS && cpu_ok()
 }
 
-fn cpu_ok() -> bool {
+/// Whether this CPU runs these kernels (AVX-512 with VNNI).
+pub(crate) fn cpu_ok() -> bool {
     crate::backend::has_avx512_vnni()
 }
 
@@ -84,12 +85,7 @@ pub(crate) fn q80_pair(groups: [&[Q80GroupBlock]; 2], mut job: GroupJob) {
 /// same sums and float steps without the shuffles. Only on a CPU with VNNI (the turned copy is
 /// only made there): there is no AVX2 kernel for this layout.
 pub(crate) fn q80_turned_pair(pairs: &[Q80PairBlock], mut job: GroupJob) {
-    let rows = job.rows();
-    assert!(
-        rows == GROUP_ROWS || rows == 2 * GROUP_ROWS,
-        "one or two groups"
-    );
-    job.check(pairs.len(), rows);
+    check_rows(pairs.len(), &job);
     assert!(
         cpu_ok(),
         "turned Q8_0 blocks are only made on a CPU with VNNI"
@@ -110,13 +106,18 @@ pub(crate) fn q80_turned_pair(pairs: &[Q80PairBlock], mut job: GroupJob) {
 
 /// Both groups' blocks match the activations, and the job is for 8 or 16 rows.
 fn check_pair<B>(groups: [&[B]; 2], job: &GroupJob) {
+    assert_eq!(groups[0].len(), groups[1].len(), "groups of one matrix");
+    check_rows(groups[0].len(), job);
+}
+
+/// The job is for 8 or 16 rows, and `blocks` blocks per row match its activations.
+fn check_rows(blocks: usize, job: &GroupJob) {
     let rows = job.rows();
     assert!(
         rows == GROUP_ROWS || rows == 2 * GROUP_ROWS,
         "one or two groups"
     );
-    assert_eq!(groups[0].len(), groups[1].len(), "groups of one matrix");
-    job.check(groups[0].len(), rows);
+    job.check(blocks, rows);
 }
 
 /// Runs `kernel(g, job)` for each 8-row group of a pair job (the fallback without VNNI).
