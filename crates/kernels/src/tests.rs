@@ -120,6 +120,44 @@ fn q80_matmul_matches_dequantized_reference_on_every_backend() {
     check_matmul(WeightFormat::Q8_0, 16, 64, 70, 13);
 }
 
+/// How a matmul's rows are split into tasks (one per thread) must not change a bit: each row
+/// is computed whole by one kernel call chain whatever the split, including a last task
+/// with an odd number of row groups.
+#[test]
+fn matmul_bits_do_not_depend_on_the_thread_count() {
+    let mut rng = Rng(31);
+    let pools: Vec<Workers> = [1, 2, 3].into_iter().map(Workers::new).collect();
+    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+        for (rows, cols, tokens) in [(136, 64, 1), (200, 96, 5), (24, 32, 16), (40, 64, 70)] {
+            let (bytes, _) = match format {
+                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
+                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
+            };
+            let mut matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
+            matrix.add_vnni_layout();
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+            let mut acts = QuantActs::default();
+            quantize_acts(&x, tokens, cols, &mut acts);
+            for backend in Backend::available() {
+                let outs: Vec<Vec<u32>> = pools
+                    .iter()
+                    .map(|workers| {
+                        let mut out = vec![0f32; tokens * rows];
+                        matrix.matmul(backend, workers, &acts, &mut out);
+                        out.iter().map(|v| v.to_bits()).collect()
+                    })
+                    .collect();
+                for (threads, out) in [2, 3].iter().zip(&outs[1..]) {
+                    assert!(
+                        *out == outs[0],
+                        "{format:?} {backend:?} {rows}x{cols}x{tokens}: {threads} threads differ from 1"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The VNNI kernels must compute exactly what the AVX2 ones do (same integer sums, same float
 /// steps in the same order), for every token count the run splitting can produce and for the
 /// extreme bytes a hostile file may hold (Q8_0 weights of -128, nibbles of 15).
