@@ -383,7 +383,7 @@ impl QuantMatrix {
         // One task per thread, so each thread streams one contiguous run of rows and its
         // weight prefetches stay ahead of it to the end. With four tasks per thread, claimed
         // in whatever order the threads came for them, every task started cold and its last
-        // prefetches asked for rows the other thread computed: decode at 2 threads was 9–11 %
+        // prefetches asked for rows the other thread computed: decode at 2 threads was 7–11 %
         // slower at batch 1 and 4–8 % at batch 16, prefill 0–4 % (alternating steps,
         // BENCHMARKS.md). A worker that is late to a region leaves its task to the caller.
         let tasks_wanted = workers.threads();

@@ -55,6 +55,19 @@ fn random_q80(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     (bytes, values)
 }
 
+/// `random_q41` or `random_q80`, as `format` says.
+fn random_weights(
+    rng: &mut Rng,
+    format: WeightFormat,
+    rows: usize,
+    cols: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    match format {
+        WeightFormat::Q4_1 => random_q41(rng, rows, cols),
+        WeightFormat::Q8_0 => random_q80(rng, rows, cols),
+    }
+}
+
 fn naive_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -> Vec<f32> {
     let mut out = vec![0f32; tokens * rows];
     for t in 0..tokens {
@@ -69,10 +82,7 @@ fn naive_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -
 
 fn check_matmul(format: WeightFormat, rows: usize, cols: usize, tokens: usize, seed: u64) {
     let mut rng = Rng(seed);
-    let (bytes, values) = match format {
-        WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
-        WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
-    };
+    let (bytes, values) = random_weights(&mut rng, format, rows, cols);
     let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
     let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
     let mut acts = QuantActs::default();
@@ -129,10 +139,7 @@ fn matmul_bits_do_not_depend_on_the_thread_count() {
     let pools: Vec<Workers> = [1, 2, 3].into_iter().map(Workers::new).collect();
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         for (rows, cols, tokens) in [(136, 64, 1), (200, 96, 5), (24, 32, 16), (40, 64, 70)] {
-            let (bytes, _) = match format {
-                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
-                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
-            };
+            let (bytes, _) = random_weights(&mut rng, format, rows, cols);
             let mut matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
             matrix.add_vnni_layout();
             let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
@@ -182,10 +189,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
             (40, 64, 29),
             (48, 96, 16),
         ] {
-            let mut bytes = match format {
-                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols).0,
-                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols).0,
-            };
+            let mut bytes = random_weights(&mut rng, format, rows, cols).0;
             // The first block of row 0 at the extremes: all nibbles 15 / every byte -128.
             let first_block = &mut bytes[..format.block_bytes()];
             match format {
@@ -230,10 +234,7 @@ fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
     let mut rng = Rng(22);
     let vnni = Backend::available().contains(&Backend::Avx512Vnni);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
-        let bytes = match format {
-            WeightFormat::Q4_1 => random_q41(&mut rng, 40, 64).0,
-            WeightFormat::Q8_0 => random_q80(&mut rng, 40, 64).0,
-        };
+        let bytes = random_weights(&mut rng, format, 40, 64).0;
         let mut matrix = QuantMatrix::from_gguf_bytes(format, 40, 64, &bytes).unwrap();
         let plain = matrix.bytes();
         matrix.add_vnni_layout();
@@ -251,10 +252,7 @@ fn dequantize_row_recovers_every_row() {
     let mut rng = Rng(7);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let (rows, cols) = (24, 64);
-        let (bytes, values) = match format {
-            WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
-            WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
-        };
+        let (bytes, values) = random_weights(&mut rng, format, rows, cols);
         let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
         let mut row = vec![0f32; cols];
         for r in 0..rows {
@@ -314,10 +312,7 @@ fn share_buffers_keeps_every_matrix_and_advises_the_shared_buffer() {
         .chain([(WeightFormat::Q8_0, 16, 64), (WeightFormat::Q8_0, 8, 96)]);
     let mut matrices: Vec<QuantMatrix> = shapes
         .map(|(format, rows, cols)| {
-            let (bytes, _) = match format {
-                WeightFormat::Q4_1 => random_q41(&mut rng, rows, cols),
-                WeightFormat::Q8_0 => random_q80(&mut rng, rows, cols),
-            };
+            let (bytes, _) = random_weights(&mut rng, format, rows, cols);
             QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap()
         })
         .collect();
