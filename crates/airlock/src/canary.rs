@@ -178,7 +178,7 @@ pub fn run(args: Args) -> Result<()> {
             bail!("no --model given and GET {url}/v1/models gave none: {error:#}")
         }
     };
-    let discovered = runtime.block_on(health_context(&client, &url));
+    let discovered = runtime.block_on(health_context(&client, &url, first_key));
     let model_context = listed.ok().and_then(|(_, context)| context);
     let (context_length, context_source) = match (args.context_length, discovered, model_context) {
         (Some(n), _, _) => (n, "--context-length"),
@@ -1628,9 +1628,10 @@ async fn list_models(
     Ok((clip(id, 256), context))
 }
 
-/// Our /health's context length: the smallest of the router's and each linked worker's.
-async fn health_context(client: &reqwest::Client, url: &str) -> Option<usize> {
-    let (_, body) = get_json(client, url, "/health", None).await.ok()?;
+/// Our /health's context length: the smallest of the router's and each linked worker's (the
+/// detailed view, which needs a key where the server has keys).
+async fn health_context(client: &reqwest::Client, url: &str, key: Option<&str>) -> Option<usize> {
+    let (_, body) = get_json(client, url, "/health", key).await.ok()?;
     let workers = body["workers"].as_array().into_iter().flatten();
     std::iter::once(&body["context_length"])
         .chain(workers.map(|w| &w["context_length"]))

@@ -15,8 +15,12 @@ pub struct Args {
     file: Option<PathBuf>,
     /// Check a running deployment instead, from its router's /health (e.g.
     /// http://127.0.0.1:8080)
-    #[arg(long, conflicts_with = "file")]
+    #[arg(long, env = "AIRLOCK_PREFLIGHT_URL", conflicts_with = "file")]
     url: Option<String>,
+    /// API key for --url: /health shows the workers only to a caller with a valid key (any
+    /// tenant's), unless the router runs without keys
+    #[arg(long, env = "AIRLOCK_API_KEY", requires = "url")]
+    api_key: Option<String>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -31,7 +35,7 @@ pub fn run(args: Args) -> Result<()> {
             let (shape, weight_bytes) = model_shape(&args.model)?;
             evaluate(&deployment, &shape, weight_bytes)
         }
-        (None, Some(url)) => live_reports(url)?,
+        (None, Some(url)) => live_reports(url, args.api_key.as_deref())?,
         _ => bail!("give a deployment file, or --url of a running router"),
     };
     print!("{}", render(&reports));
@@ -62,20 +66,30 @@ fn model_shape(model: &ModelArgs) -> Result<(ModelShape, u64)> {
     Ok((shape, bytes.len() as u64))
 }
 
-fn live_reports(url: &str) -> Result<Vec<config::preflight::NodeReport>> {
+fn live_reports(url: &str, key: Option<&str>) -> Result<Vec<config::preflight::NodeReport>> {
     let url = url.trim_end_matches('/');
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let health: serde_json::Value = runtime.block_on(async {
-        let response = reqwest::get(format!("{url}/health"))
+        let mut request = reqwest::Client::new().get(format!("{url}/health"));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        let response = request
+            .send()
             .await
             .with_context(|| format!("reaching {url}/health"))?;
         response.json().await.context("reading /health")
     })?;
-    let workers = health["workers"]
-        .as_array()
-        .context("/health lists no workers")?;
+    let workers = health["workers"].as_array().with_context(|| {
+        if key.is_none() {
+            "/health lists no workers: a router with API keys shows them only to a caller with \
+             one; pass --api-key"
+        } else {
+            "/health lists no workers"
+        }
+    })?;
     let nodes: Vec<LiveNode> = workers
         .iter()
         .map(|worker| LiveNode {

@@ -8,7 +8,7 @@ use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
-use router::{AppState, Cluster, Metrics, RouterConfig, Tenants};
+use router::{AppState, Cluster, EdgeConfig, Metrics, RouterConfig, Tenants};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -95,7 +95,66 @@ pub struct CommonArgs {
     #[arg(long, env = "AIRLOCK_IN_FLIGHT_MAX", default_value_t = 512)]
     pub in_flight_max: usize,
     #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
     pub model: ModelArgs,
+}
+
+/// The HTTP edge's bounds (serve, router, unified): what a client that never finishes a
+/// request can hold, and for how long.
+#[derive(clap::Args, Clone, Debug)]
+pub struct HttpArgs {
+    /// Milliseconds a client has to send a request's headers, from connecting (or from the
+    /// end of its previous response); then the connection is closed
+    #[arg(long, env = "AIRLOCK_HEADER_TIMEOUT_MS", default_value_t = 10_000)]
+    pub header_timeout_ms: u64,
+    /// Milliseconds an authenticated request's body may take to arrive in full (408 past it)
+    #[arg(long, env = "AIRLOCK_BODY_TIMEOUT_MS", default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
+    /// Milliseconds a kept-alive connection may sit with no request before it is closed
+    #[arg(long, env = "AIRLOCK_KEEP_ALIVE_TIMEOUT_MS", default_value_t = 5_000)]
+    pub keep_alive_timeout_ms: u64,
+    /// Open client connections in all; when all are taken the longest-idle one is closed
+    /// for a newcomer, and only if none is idle does the newcomer get 503 [default: the
+    /// open-file limit (raised to its hard limit at start) minus 256, at most 4096]
+    #[arg(long, env = "AIRLOCK_CONNECTIONS_MAX",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub connections_max: Option<u64>,
+    /// Open connections from one client address; more get 429 (raise it behind a proxy or
+    /// load balancer, where every client has the proxy's address)
+    #[arg(long, env = "AIRLOCK_CONNECTIONS_PER_CLIENT_MAX", default_value_t = 512,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub connections_per_client_max: u64,
+    /// Browser origin allowed to call the API (CORS), e.g. https://app.example.com, or * for
+    /// any; repeatable. Without it no CORS header is sent and browsers read no answer
+    #[arg(long, env = "AIRLOCK_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub cors_allow_origin: Vec<String>,
+    /// Without --api-keys the server has no authentication and listens only on a loopback
+    /// address; this flag lets it listen on any --host anyway
+    #[arg(long, env = "AIRLOCK_ALLOW_UNAUTHENTICATED_REMOTE")]
+    pub allow_unauthenticated_remote: bool,
+}
+
+/// Without keys, anyone who reaches the port is the tenant: refuse to listen beyond this
+/// machine unless told to.
+fn check_open_bind(args: &CommonArgs) -> Result<()> {
+    if args.api_keys.is_some() || args.http.allow_unauthenticated_remote {
+        return Ok(());
+    }
+    let loopback = args.host == "localhost"
+        || args
+            .host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !loopback {
+        bail!(
+            "--host {} without --api-keys would serve anyone who can reach it, with no \
+             authentication; pass --api-keys FILE to separate tenants, listen on 127.0.0.1, \
+             or pass --allow-unauthenticated-remote if that is really meant",
+            args.host
+        );
+    }
+    Ok(())
 }
 
 #[derive(clap::Args, Debug)]
@@ -417,9 +476,15 @@ fn tenants(args: &CommonArgs) -> Result<Tenants> {
             Ok(tenants)
         }
         None => {
+            let reach = if args.http.allow_unauthenticated_remote {
+                "anyone who can reach --host"
+            } else {
+                "callers on this machine only (loopback)"
+            };
             eprintln!(
                 "\n  WARNING: no --api-keys file: running SINGLE-TENANT with NO AUTHENTICATION.\n  \
-                 Every caller is the same tenant. Pass --api-keys FILE to separate tenants.\n"
+                 Every caller is the same tenant: {reach}. Pass --api-keys FILE to separate \
+                 tenants.\n"
             );
             Ok(Tenants::open())
         }
@@ -447,6 +512,7 @@ async fn run_router(
     );
     let listener = bind(&args.host, port).await?;
     let address = listener.local_addr()?;
+    let edge = edge_config(&args.http);
     let config = RouterConfig {
         model_id: args.model_name.clone(),
         context_length: context_length.unwrap_or(file.shape.context_length_max) as usize,
@@ -454,13 +520,15 @@ async fn run_router(
         default_max_tokens: args.default_max_tokens,
         in_flight_max: args.in_flight_max,
         start_timeout: Duration::from_millis(args.queue_timeout_ms + args.transfer_timeout_ms),
+        body_timeout: Duration::from_millis(args.http.body_timeout_ms),
+        cors_allow_origins: args.http.cors_allow_origin.clone(),
     };
     let open = tenants.is_open();
     let state = Arc::new(AppState::new(
         config,
         tenants,
         cluster,
-        metrics,
+        metrics.clone(),
         file.tokenizer,
         file.chat_template,
     ));
@@ -468,13 +536,49 @@ async fn run_router(
         tracing::warn!("not every worker is linked yet; serving anyway (see /health)");
     }
     print_ready(&address.to_string(), &args.model_name, open);
-    axum::serve(listener, router::app(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    router::edge::serve(listener, router::app(state), edge, metrics, ctrl_c)
         .await
         .context("HTTP server")?;
     Ok(())
+}
+
+/// The edge's bounds from the flags, with the connection cap sized from the open-file limit
+/// (raised to its hard limit first).
+fn edge_config(http: &HttpArgs) -> EdgeConfig {
+    let open_files = match router::edge::raise_open_file_limit() {
+        Ok(limit) => limit,
+        Err(error) => {
+            tracing::warn!(%error, "cannot read the open-file limit; assuming 1024");
+            1024
+        }
+    };
+    let connections_max = http.connections_max.map_or_else(
+        || router::edge::connections_max_for(open_files),
+        |n| n as usize,
+    );
+    if connections_max as u64 + router::edge::FDS_RESERVED > open_files {
+        tracing::warn!(
+            connections_max,
+            open_files,
+            "--connections-max is over what the open-file limit leaves; raise `ulimit -n`"
+        );
+    }
+    tracing::info!(
+        connections_max,
+        per_client = http.connections_per_client_max,
+        open_files,
+        "HTTP connection limits"
+    );
+    EdgeConfig {
+        header_timeout: Duration::from_millis(http.header_timeout_ms),
+        keep_alive_timeout: Duration::from_millis(http.keep_alive_timeout_ms),
+        connections_max,
+        connections_per_client_max: http.connections_per_client_max as usize,
+        shutdown_grace: Duration::from_secs(10),
+    }
 }
 
 fn print_ready(address: &str, model_name: &str, open: bool) {
@@ -495,6 +599,7 @@ fn print_ready(address: &str, model_name: &str, open: bool) {
 pub fn serve(args: ServeArgs) -> Result<()> {
     init_logging();
     let args = args.common;
+    check_open_bind(&args)?;
     let file = read_model_file(&args)?;
     let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {
@@ -544,9 +649,10 @@ pub fn router(args: RouterArgs) -> Result<()> {
     if disaggregated && !args.unified.is_empty() {
         bail!("give either --prefill and --decode, or --unified, not both");
     }
+    check_open_bind(&args.common)?;
+    let secret = cluster_secret(&args.common, false)?;
     let file = read_model_file(&args.common)?;
     let port = args.common.port.unwrap_or(8080);
-    let secret = cluster_secret(&args.common, false)?;
     // An explicit context length must match every worker's; otherwise the router admits up
     // to the smallest one a linked worker reports.
     let context_length = match args.common.context_length {
@@ -566,10 +672,10 @@ pub fn router(args: RouterArgs) -> Result<()> {
 fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
     init_logging();
     let common = args.common;
+    let secret = cluster_secret(&common, false)?;
     let file = read_model_file(&common)?;
     let port = common.port.unwrap_or(default_port);
     let role_name = router::cluster::role_name(role);
-    let secret = cluster_secret(&common, false)?;
     runtime()?.block_on(async {
         let listener = bind(&common.host, port).await?;
         let address = listener.local_addr()?;
@@ -603,6 +709,7 @@ pub fn unified(args: UnifiedArgs) -> Result<()> {
     }
     init_logging();
     let args = args.common;
+    check_open_bind(&args)?;
     let file = read_model_file(&args)?;
     let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {

@@ -30,7 +30,9 @@ pub enum ApiError {
     MethodNotAllowed,
     /// 413
     BodyTooLarge { limit_bytes: usize },
-    /// 415
+    /// 408: the request body did not arrive within the body timeout.
+    BodyTimeout { timeout: std::time::Duration },
+    /// 415: a JSON endpoint got a body that does not say it is JSON.
     UnsupportedMediaType,
     /// 431: the request's headers are over the size limit.
     HeadersTooLarge { limit_bytes: usize },
@@ -46,6 +48,8 @@ pub enum ApiError {
     Timeout { message: String },
     /// 499 (client closed): only ever logged and counted, the client is gone.
     Cancelled,
+    /// 499: the client hung up before its request body was complete; counted, never sent.
+    ClientGone,
     /// 500
     Internal,
 }
@@ -69,6 +73,7 @@ impl ApiError {
             ApiError::NotFound => (404, "invalid_request_error", "not_found"),
             ApiError::MethodNotAllowed => (405, "invalid_request_error", "method_not_allowed"),
             ApiError::BodyTooLarge { .. } => (413, "invalid_request_error", "request_too_large"),
+            ApiError::BodyTimeout { .. } => (408, "invalid_request_error", "request_timeout"),
             ApiError::UnsupportedMediaType => {
                 (415, "invalid_request_error", "unsupported_media_type")
             }
@@ -83,6 +88,7 @@ impl ApiError {
             ApiError::TransferFailed { .. } => (503, "server_error", "kv_transfer_failed"),
             ApiError::Timeout { .. } => (504, "server_error", "timeout"),
             ApiError::Cancelled => (499, "server_error", "request_cancelled"),
+            ApiError::ClientGone => (499, "invalid_request_error", "client_gone"),
             ApiError::Internal => (500, "server_error", "internal_error"),
         };
         Row {
@@ -122,6 +128,10 @@ impl ApiError {
             ApiError::BodyTooLarge { limit_bytes } => {
                 format!("request body is over the {limit_bytes}-byte limit; send a smaller one")
             }
+            ApiError::BodyTimeout { timeout } => format!(
+                "the request body did not arrive within {} s; send it at once",
+                timeout.as_secs_f64()
+            ),
             ApiError::UnsupportedMediaType => {
                 "send the body as JSON with 'Content-Type: application/json'".into()
             }
@@ -130,6 +140,7 @@ impl ApiError {
                  headers"
             ),
             ApiError::Cancelled => "the request was cancelled".into(),
+            ApiError::ClientGone => "the client closed the connection mid-request".into(),
             ApiError::Internal => "internal error; the request was not answered".into(),
         }
     }

@@ -11,6 +11,8 @@
 //! model; it tokenizes only to count and submit.
 
 pub mod cluster;
+pub mod cors;
+pub mod edge;
 pub mod error;
 pub mod metrics;
 pub mod openai;
@@ -18,6 +20,7 @@ pub mod server;
 pub mod tenants;
 
 pub use cluster::Cluster;
+pub use edge::EdgeConfig;
 pub use error::ApiError;
 pub use metrics::Metrics;
 pub use server::{app, AppState, RouterConfig};

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// Counter names and their help text; `inc` accepts only these.
@@ -14,6 +15,16 @@ const COUNTERS: &[(&str, &str)] = &[
     (
         "airlock_transfers_total",
         "KV transfers seen by the router, by outcome (ok, failed) and reason.",
+    ),
+    (
+        "airlock_http_connections_refused_total",
+        "HTTP connections answered at once and closed, by reason (per_client: the address holds \
+         its share; full: every slot busy).",
+    ),
+    (
+        "airlock_http_connections_closed_total",
+        "HTTP connections the server closed, by reason (header_timeout, idle: kept alive with \
+         no request, evicted: the longest idle, to make room).",
     ),
     (
         "airlock_workers_refused_total",
@@ -31,6 +42,7 @@ pub struct Metrics {
     counters: Mutex<BTreeMap<(&'static str, String), u64>>,
     ttft: Histogram,
     itl: Histogram,
+    http_connections_open: AtomicUsize,
 }
 
 struct Histogram {
@@ -81,6 +93,7 @@ impl Metrics {
                 "Time between consecutive streamed tokens of one request.",
                 ITL_BUCKETS,
             ),
+            http_connections_open: AtomicUsize::new(0),
         }
     }
 
@@ -96,6 +109,11 @@ impl Metrics {
             .expect("metrics lock is never held across a panic")
             .entry((name, labels))
             .or_insert(0) += 1;
+    }
+
+    /// The HTTP edge's count of open client connections.
+    pub fn set_http_connections_open(&self, open: usize) {
+        self.http_connections_open.store(open, Ordering::Relaxed);
     }
 
     pub fn observe_ttft(&self, seconds: f64) {
@@ -182,6 +200,13 @@ impl Metrics {
             "# HELP airlock_router_queue_depth Requests admitted by the router and not yet \
              started.\n# TYPE airlock_router_queue_depth gauge\n\
              airlock_router_queue_depth {router_waiting}"
+        );
+        let _ = writeln!(
+            out,
+            "# HELP airlock_http_connections_open Client connections open at the HTTP edge.\n\
+             # TYPE airlock_http_connections_open gauge\n\
+             airlock_http_connections_open {}",
+            self.http_connections_open.load(Ordering::Relaxed)
         );
         self.ttft.render(&mut out);
         self.itl.render(&mut out);

@@ -45,6 +45,11 @@ pub struct RouterConfig {
     pub in_flight_max: usize,
     /// How long a request may wait for its first answer from the workers (504 past it).
     pub start_timeout: Duration,
+    /// How long an authenticated request's body may take to arrive (408 past it).
+    pub body_timeout: Duration,
+    /// Origins a browser may call from (CORS); empty: no `Access-Control-Allow-*` header is
+    /// ever sent. `*` allows any origin.
+    pub cors_allow_origins: Vec<String>,
 }
 
 /// Everything the handlers share.
@@ -91,14 +96,25 @@ impl AppState {
 
 /// The HTTP routes over `state`.
 pub fn app(state: Arc<AppState>) -> axum::Router {
-    axum::Router::new()
+    let routes = axum::Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/health/live", get(live))
+        .route("/health/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::NotFound })
-        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed });
+    let routes = if state.config.cors_allow_origins.is_empty() {
+        routes
+    } else {
+        let origins = Arc::new(state.config.cors_allow_origins.clone());
+        routes.layer(axum::middleware::from_fn(move |request, next| {
+            crate::cors::apply(origins.clone(), request, next)
+        }))
+    };
+    routes
         .layer(axum::middleware::from_fn(limit_header_bytes))
         .with_state(state)
 }
@@ -147,9 +163,13 @@ async fn respond(
     match generate(&state, &headers, body, endpoint).await {
         Ok(response) => response,
         Err(error) => {
+            let outcome = match error {
+                ApiError::ClientGone => "cancelled",
+                _ => "error",
+            };
             state.metrics.inc(
                 "airlock_requests_total",
-                &[("outcome", "error"), ("reason", error.reason())],
+                &[("outcome", outcome), ("reason", error.reason())],
             );
             error.into_response()
         }
@@ -164,11 +184,8 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     // Nothing runs, and the body is not read, for a caller without a valid key.
     let tenant = authenticate(state, headers)?;
-    let body = axum::body::to_bytes(body, state.config.body_bytes_max)
-        .await
-        .map_err(|_| ApiError::BodyTooLarge {
-            limit_bytes: state.config.body_bytes_max,
-        })?;
+    require_json(headers)?;
+    let body = read_body(body, &state.config).await?;
     let limits = Limits {
         model_id: &state.config.model_id,
         tokenizer: &state.tokenizer,
@@ -210,6 +227,71 @@ async fn generate(
         Ok(stream_response(run))
     } else {
         run.collect().await
+    }
+}
+
+/// JSON endpoints take only bodies labelled JSON. A browser may send a cross-origin POST
+/// without asking first only with a "simple" content type (form, text, none): refusing those
+/// is what keeps a web page from running inference on a server it can reach.
+fn require_json(headers: &HeaderMap) -> Result<(), ApiError> {
+    let media_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.split(';').next())
+        .map(str::trim);
+    match media_type {
+        Some(media_type) if media_type.eq_ignore_ascii_case("application/json") => Ok(()),
+        _ => Err(ApiError::UnsupportedMediaType),
+    }
+}
+
+/// The whole body, within the size limit and the body timeout; a client that hangs up
+/// mid-body is `ClientGone`, not a body too large.
+async fn read_body(body: Body, config: &RouterConfig) -> Result<axum::body::Bytes, ApiError> {
+    // A body declared too large is still read up to the limit before the 413: answering at
+    // once would close the connection under a client still writing, which then sees a broken
+    // pipe instead of the answer.
+    let limit_bytes = config.body_bytes_max;
+    let too_large = ApiError::BodyTooLarge { limit_bytes };
+    let read = async {
+        let mut bytes = Vec::new();
+        let mut chunks = body.into_data_stream();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut chunks).await {
+            let chunk = chunk.map_err(body_error)?;
+            if bytes.len() + chunk.len() > limit_bytes {
+                return Err(too_large.clone());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(axum::body::Bytes::from(bytes))
+    };
+    tokio::time::timeout(config.body_timeout, read)
+        .await
+        .map_err(|_| ApiError::BodyTimeout {
+            timeout: config.body_timeout,
+        })?
+}
+
+/// A body that failed to arrive: framed wrongly (bad chunking), or the client hung up.
+fn body_error(error: axum::Error) -> ApiError {
+    let hyper_error =
+        std::error::Error::source(&error).and_then(|source| source.downcast_ref::<hyper::Error>());
+    let io_kind = hyper_error
+        .and_then(std::error::Error::source)
+        .and_then(|source| source.downcast_ref::<std::io::Error>())
+        .map(std::io::Error::kind);
+    let malformed = hyper_error.is_some_and(hyper::Error::is_parse)
+        || matches!(
+            io_kind,
+            Some(std::io::ErrorKind::InvalidData | std::io::ErrorKind::InvalidInput)
+        );
+    if malformed {
+        ApiError::InvalidRequest {
+            message: format!("the request body is malformed: {error}"),
+            param: None,
+        }
+    } else {
+        ApiError::ClientGone
     }
 }
 
@@ -760,7 +842,13 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Respo
     .into_response()
 }
 
-async fn health(State(state): State<Arc<AppState>>) -> Response {
+/// `/health`: up or degraded for anyone; the workers' addresses, pools and shape only for a
+/// caller with a valid key (in single-tenant mode, every caller).
+async fn health(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if authenticate(&state, &headers).is_err() {
+        let (status, word) = readiness(&state);
+        return (status, Json(serde_json::json!({ "status": word }))).into_response();
+    }
     let workers: Vec<serde_json::Value> = state
         .cluster
         .clients
@@ -781,19 +869,34 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
             })
         })
         .collect();
-    let all_up = state.cluster.clients.iter().all(|c| c.is_up());
-    let status = if all_up {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
+    let (status, word) = readiness(&state);
     let body = serde_json::json!({
-        "status": if all_up { "ok" } else { "degraded" },
+        "status": word,
         "model": state.config.model_id,
         "context_length": state.config.context_length,
         "workers": workers,
     });
     (status, Json(body)).into_response()
+}
+
+/// 200 "ok" when every worker is linked, else 503 "degraded".
+fn readiness(state: &AppState) -> (StatusCode, &'static str) {
+    if state.cluster.clients.iter().all(|c| c.is_up()) {
+        (StatusCode::OK, "ok")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "degraded")
+    }
+}
+
+/// Liveness: the process answers HTTP. Says nothing else, to anyone.
+async fn live() -> Response {
+    Json(serde_json::json!({ "status": "ok" })).into_response()
+}
+
+/// Readiness: every worker linked. Says nothing else, to anyone.
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let (status, word) = readiness(&state);
+    (status, Json(serde_json::json!({ "status": word }))).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {

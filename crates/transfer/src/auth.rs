@@ -1,7 +1,8 @@
 //! Cluster authentication (I11): every link starts with a mutual HMAC-SHA256
-//! challenge-response over a secret shared by the cluster's processes. A peer that cannot
-//! prove it holds the secret never gets a `Hello`, so it can neither submit, nor send or
-//! receive KV, nor learn where pages go.
+//! challenge-response over a secret shared by the cluster's processes. The connecting side
+//! proves itself first; a peer that cannot prove it holds the secret gets neither the
+//! worker's proof nor its `Hello`, so it can neither submit, nor send or receive KV, nor learn
+//! where pages go, nor collect proofs to guess the secret from offline.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -16,16 +17,37 @@ impl std::fmt::Debug for ClusterSecret {
     }
 }
 
-/// Shortest secret accepted, in bytes.
-pub const SECRET_BYTES_MIN: usize = 16;
+/// Shortest secret accepted, in bytes: 32 random bytes, or their base64 (44 characters),
+/// leave nothing to guess.
+pub const SECRET_BYTES_MIN: usize = 32;
+
+/// Fewest distinct byte values a secret may have. Random bytes, their base64 and their hex
+/// all have more (hex: up to 16); a word repeated or a run of one character has fewer.
+pub const SECRET_DISTINCT_BYTES_MIN: usize = 10;
+
+/// How to make a good secret, for every refusal.
+const SECRET_HOW_TO: &str = "make one with `head -c 32 /dev/urandom | base64 > cluster.secret` \
+                             and give every node the same file";
 
 impl ClusterSecret {
+    /// The secret, if it is long and varied enough that it was not typed by hand.
     pub fn new(bytes: Vec<u8>) -> Result<ClusterSecret, String> {
         if bytes.len() < SECRET_BYTES_MIN {
             return Err(format!(
-                "the cluster secret is {} bytes; use at least {SECRET_BYTES_MIN} (e.g. \
-                 `head -c 32 /dev/urandom | base64 > cluster.secret`)",
+                "the cluster secret is {} bytes; it must be at least {SECRET_BYTES_MIN}: \
+                 {SECRET_HOW_TO}",
                 bytes.len()
+            ));
+        }
+        let mut seen = [false; 256];
+        for &byte in &bytes {
+            seen[usize::from(byte)] = true;
+        }
+        let distinct = seen.iter().filter(|&&seen| seen).count();
+        if distinct < SECRET_DISTINCT_BYTES_MIN {
+            return Err(format!(
+                "the cluster secret has only {distinct} distinct byte values, so it is not \
+                 random; {SECRET_HOW_TO}"
             ));
         }
         Ok(ClusterSecret(bytes))

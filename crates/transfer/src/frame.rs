@@ -11,7 +11,8 @@ use kv::{RequestId, TenantId};
 
 /// Version of this encoding and of the transfer protocol; a peer with another version is
 /// refused at the first frame.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 2: the accepting side proves itself only after the connecting side has.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -170,12 +171,13 @@ pub enum Frame {
         peer: PeerRole,
         nonce: [u8; 32],
     },
-    /// The worker's proof that it holds the cluster secret, and its own challenge.
+    /// The worker's own challenge. It carries no proof: the worker proves nothing to a peer
+    /// that has not proved itself first.
     Challenge {
         nonce: [u8; 32],
-        proof: [u8; 32],
     },
-    /// The connecting side's proof.
+    /// A proof that the sender holds the cluster secret: first the connecting side's, then,
+    /// once that one verified, the worker's.
     Proof {
         proof: [u8; 32],
     },
@@ -383,10 +385,7 @@ impl Frame {
                 w.u8(*peer as u8);
                 w.bytes(nonce);
             }
-            Frame::Challenge { nonce, proof } => {
-                w.bytes(nonce);
-                w.bytes(proof);
-            }
+            Frame::Challenge { nonce } => w.bytes(nonce),
             Frame::Proof { proof } => w.bytes(proof),
             Frame::Hello(info) => {
                 w.u8(info.role as u8);
@@ -494,10 +493,7 @@ impl Frame {
                 peer: peer_role(r.u8()?)?,
                 nonce: r.array()?,
             },
-            17 => Frame::Challenge {
-                nonce: r.array()?,
-                proof: r.array()?,
-            },
+            17 => Frame::Challenge { nonce: r.array()? },
             18 => Frame::Proof { proof: r.array()? },
             2 => Frame::Hello(WorkerInfo {
                 role: role(r.u8()?)?,

@@ -146,8 +146,12 @@ async fn read(stream: &mut BoxStream) -> Result<Frame, HandshakeError> {
     }
 }
 
-/// The connecting side: prove ourselves, check the worker's proof, read its `Hello` and check
-/// it against `expect`.
+/// The connecting side: send our challenge, prove ourselves against the worker's, then check
+/// the worker's proof and its `Hello` against `expect`.
+///
+/// We prove first: the side that accepts connections hands no proof to a peer that has not
+/// shown it holds the secret, so anyone who can reach a worker port can collect nothing to
+/// guess the secret from. We connect only to addresses we were given.
 pub async fn connect_handshake(
     stream: &mut BoxStream,
     peer: PeerRole,
@@ -163,15 +167,24 @@ pub async fn connect_handshake(
         },
     )
     .await?;
-    let (server_nonce, server_proof) = match read(stream).await? {
-        Frame::Challenge { nonce, proof } => (nonce, proof),
+    let server_nonce = match read(stream).await? {
+        Frame::Challenge { nonce } => nonce,
         _ => return Err(HandshakeError::Protocol("expected a challenge".into())),
+    };
+    let proof = secret.proof(CLIENT_LABEL, &client_nonce, &server_nonce);
+    write_frame(stream, &Frame::Proof { proof }).await?;
+    // A worker that hangs up now did not accept our proof: it holds another secret.
+    let server_proof = match read(stream).await {
+        Ok(Frame::Proof { proof }) => proof,
+        Ok(_) => return Err(HandshakeError::Protocol("expected a proof".into())),
+        Err(HandshakeError::Protocol(_) | HandshakeError::Io(_)) => {
+            return Err(HandshakeError::Auth)
+        }
+        Err(error) => return Err(error),
     };
     if !secret.verify(SERVER_LABEL, &client_nonce, &server_nonce, &server_proof) {
         return Err(HandshakeError::Auth);
     }
-    let proof = secret.proof(CLIENT_LABEL, &client_nonce, &server_nonce);
-    write_frame(stream, &Frame::Proof { proof }).await?;
     let info = match read(stream).await? {
         Frame::Hello(info) => info,
         _ => return Err(HandshakeError::Protocol("expected a hello".into())),
@@ -180,7 +193,8 @@ pub async fn connect_handshake(
     Ok(info)
 }
 
-/// The worker's side: answer the challenge, check the peer's proof, then describe ourselves.
+/// The worker's side: send our challenge, check the peer's proof, and only then prove
+/// ourselves and describe ourselves.
 pub async fn accept_handshake(
     stream: &mut BoxStream,
     secret: &ClusterSecret,
@@ -191,28 +205,22 @@ pub async fn accept_handshake(
         _ => return Err(HandshakeError::Protocol("expected a connect".into())),
     };
     let server_nonce = nonce();
-    let proof = secret.proof(SERVER_LABEL, &client_nonce, &server_nonce);
     write_frame(
         stream,
         &Frame::Challenge {
             nonce: server_nonce,
-            proof,
         },
     )
     .await?;
-    // A peer that hangs up once it has seen our proof is one whose secret did not verify it:
-    // counted as an authentication failure like a wrong proof.
-    let client_proof = match read(stream).await {
-        Ok(Frame::Proof { proof }) => proof,
-        Ok(_) => return Err(HandshakeError::Protocol("expected a proof".into())),
-        Err(HandshakeError::Protocol(_) | HandshakeError::Io(_)) => {
-            return Err(HandshakeError::Auth)
-        }
-        Err(error) => return Err(error),
+    let client_proof = match read(stream).await? {
+        Frame::Proof { proof } => proof,
+        _ => return Err(HandshakeError::Protocol("expected a proof".into())),
     };
     if !secret.verify(CLIENT_LABEL, &client_nonce, &server_nonce, &client_proof) {
         return Err(HandshakeError::Auth);
     }
+    let proof = secret.proof(SERVER_LABEL, &client_nonce, &server_nonce);
+    write_frame(stream, &Frame::Proof { proof }).await?;
     write_frame(stream, &Frame::Hello(info.clone())).await?;
     Ok(peer)
 }

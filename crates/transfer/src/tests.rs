@@ -55,10 +55,7 @@ fn sample_frames() -> Vec<Frame> {
             peer: PeerRole::Prefill,
             nonce: [7; 32],
         },
-        Frame::Challenge {
-            nonce: [1; 32],
-            proof: [2; 32],
-        },
+        Frame::Challenge { nonce: [1; 32] },
         Frame::Proof { proof: [3; 32] },
         Frame::Hello(worker_info()),
         Frame::Submit(submit.clone()),
@@ -176,8 +173,12 @@ fn another_protocol_version_is_refused() {
         transfer: TransferId(1),
     }
     .encode();
-    body[2] = 2;
-    assert_eq!(Frame::decode(&body), Err(DecodeError::Version { found: 2 }));
+    let other = PROTOCOL_VERSION + 1;
+    body[2..4].copy_from_slice(&other.to_le_bytes());
+    assert_eq!(
+        Frame::decode(&body),
+        Err(DecodeError::Version { found: other })
+    );
 }
 
 #[test]
@@ -413,19 +414,79 @@ async fn handshake_pair(
 
 #[tokio::test]
 async fn peers_with_the_secret_handshake_and_others_are_refused() {
-    let secret = ClusterSecret::new(b"0123456789abcdef-secret".to_vec()).unwrap();
+    let secret = ClusterSecret::new(b"0123456789abcdef-secret-0123456789".to_vec()).unwrap();
     let expect = Expectation::of(&worker_info());
     let (client, server) = handshake_pair(secret.clone(), secret.clone(), expect.clone()).await;
     assert_eq!(client.expect("client side").name, "decode-0");
     assert_eq!(server.expect("server side"), PeerRole::Router);
 
-    let wrong = ClusterSecret::new(b"another-secret-0123456".to_vec()).unwrap();
+    let wrong = ClusterSecret::new(b"another-secret-0123456789abcdefghij".to_vec()).unwrap();
     let (client, server) = handshake_pair(secret.clone(), wrong.clone(), expect.clone()).await;
     assert!(matches!(client, Err(HandshakeError::Auth)), "{client:?}");
     assert!(matches!(server, Err(HandshakeError::Auth)), "{server:?}");
     let (client, _) = handshake_pair(wrong, secret.clone(), expect).await;
     assert!(matches!(client, Err(HandshakeError::Auth)), "{client:?}");
-    assert!(ClusterSecret::new(b"short".to_vec()).is_err());
+}
+
+#[test]
+fn secrets_short_or_typed_by_hand_are_refused_and_random_ones_taken() {
+    let check = |bytes: &[u8], accepted: bool| {
+        let result = ClusterSecret::new(bytes.to_vec());
+        assert_eq!(
+            result.is_ok(),
+            accepted,
+            "{:?}",
+            String::from_utf8_lossy(bytes)
+        );
+        if let Err(message) = result {
+            assert!(message.contains("head -c 32 /dev/urandom"), "{message}");
+        }
+    };
+    check(b"short", false);
+    check(&[b'x'; 31], false);
+    check(&[b'a'; 64], false);
+    check(b"passwordpasswordpasswordpassword", false);
+    check(b"test-cluster-secret-0123456789abcdef", true);
+    // The forms `head -c 32 /dev/urandom` is usually turned into: raw, base64, hex.
+    let raw: Vec<u8> = (0u8..32)
+        .map(|i| i.wrapping_mul(97).wrapping_add(13))
+        .collect();
+    check(&raw, true);
+    check(b"q3Yx0b8mZ2vT9c1KpW4nR7sJ6hL5dF0gA2eU8iO1yXw=", true);
+    check(
+        b"9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+        true,
+    );
+}
+
+/// A peer without the secret that connects to a worker gets a challenge and nothing else:
+/// no proof it could test guesses of the secret against, and no `Hello`.
+#[tokio::test]
+async fn the_accepting_side_proves_nothing_before_the_peer_has() {
+    let secret = ClusterSecret::random();
+    let (client, server) = tokio::io::duplex(1 << 16);
+    let mut client: transport::BoxStream = Box::new(client);
+    let mut server: transport::BoxStream = Box::new(server);
+    let info = worker_info();
+    let worker = tokio::spawn(async move { accept_handshake(&mut server, &secret, &info).await });
+    let connect = Frame::Connect {
+        peer: PeerRole::Router,
+        nonce: [5; 32],
+    };
+    transport::write_frame(&mut client, &connect).await.unwrap();
+    let challenge = transport::read_frame(&mut client).await.unwrap();
+    assert!(
+        matches!(challenge, Some(Frame::Challenge { .. })),
+        "the worker's first answer is a bare challenge: {challenge:?}"
+    );
+    let guess = Frame::Proof { proof: [0; 32] };
+    transport::write_frame(&mut client, &guess).await.unwrap();
+    assert!(matches!(worker.await.unwrap(), Err(HandshakeError::Auth)));
+    let after = transport::read_frame(&mut client).await;
+    assert!(
+        matches!(after, Ok(None)),
+        "after a wrong proof the worker sends nothing and closes: {after:?}"
+    );
 }
 
 #[tokio::test]

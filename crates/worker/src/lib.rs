@@ -15,6 +15,7 @@ mod config;
 mod engine;
 mod faults;
 mod net;
+mod refusals;
 
 pub use config::WorkerConfig;
 pub use engine::{Engine, Event, LinkId, LinkKind};

@@ -2,6 +2,7 @@
 //! links to decode workers on a prefill's behalf, and turns all of it into engine events.
 
 use crate::engine::{Engine, Event, LinkId, LinkKind};
+use crate::refusals::{RefusalLog, HANDSHAKES_PENDING_MAX, REFUSAL_LOG_INTERVAL};
 use crate::WorkerConfig;
 use gguf::Tokenizer;
 use kv::PagePool;
@@ -13,6 +14,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Mutex as AsyncMutex;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, BoxStream, Link, Transport};
 use transfer::{
@@ -124,13 +126,21 @@ pub fn start_worker(
         transport,
         secret,
         peers: AsyncMutex::new(HashMap::new()),
+        refusal_log: RefusalLog::new(REFUSAL_LOG_INTERVAL),
     });
+    let handshakes = Arc::new(Semaphore::new(HANDSHAKES_PENDING_MAX));
     let accept = tokio::spawn(async move {
         loop {
             match listener.accept().await {
                 Ok(stream) => {
+                    let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                        // As many peers are mid-handshake as we allow: this one is closed
+                        // unanswered, and a linked peer retries.
+                        shared.log_refusal("too many links in their handshake");
+                        continue;
+                    };
                     let shared = shared.clone();
-                    tokio::spawn(async move { shared.serve_link(stream).await });
+                    tokio::spawn(async move { shared.serve_link(stream, handshake).await });
                 }
                 Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return,
                 Err(error) => {
@@ -155,20 +165,32 @@ struct Shared {
     secret: ClusterSecret,
     /// Open links to decode workers, by address.
     peers: AsyncMutex<HashMap<String, LinkId>>,
+    refusal_log: RefusalLog,
 }
 
 impl Shared {
-    /// One incoming link, from greeting to close.
-    async fn serve_link(self: Arc<Self>, mut stream: BoxStream) {
-        let kind = match accept_handshake(&mut stream, &self.secret, &self.info).await {
+    /// A refused link, logged at most once per `REFUSAL_LOG_INTERVAL` with the count of
+    /// those left out since.
+    fn log_refusal(&self, why: &str) {
+        if let Some(suppressed) = self.refusal_log.admit(std::time::Instant::now()) {
+            tracing::warn!(refused_links_not_logged = suppressed, "link refused: {why}");
+        }
+    }
+
+    /// One incoming link, from greeting to close. `handshake` is held until the peer has
+    /// proved itself (or failed to).
+    async fn serve_link(self: Arc<Self>, mut stream: BoxStream, handshake: OwnedSemaphorePermit) {
+        let greeted = accept_handshake(&mut stream, &self.secret, &self.info).await;
+        drop(handshake);
+        let kind = match greeted {
             Ok(PeerRole::Router) => LinkKind::Router,
             Ok(PeerRole::Prefill) if self.info.role == Role::Decode => LinkKind::PrefillPeer,
             Ok(PeerRole::Prefill) => {
-                tracing::warn!("link refused: only decode workers take pages");
+                self.log_refusal("only decode workers take pages");
                 return;
             }
             Err(error) => {
-                tracing::warn!(%error, "link refused");
+                self.log_refusal(&error.to_string());
                 if matches!(error, HandshakeError::Auth) {
                     let _ = self.events.send(Event::AuthFailure);
                 }

@@ -154,3 +154,50 @@ fn a_config_file_with_a_bad_value_is_refused_naming_the_flag() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--page-size"), "{stderr}");
 }
+
+#[test]
+fn a_short_or_hand_typed_cluster_secret_is_refused_at_start_saying_how_to_make_one() {
+    let dir = std::env::temp_dir().join(format!("airlock-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    for (name, secret, why) in [
+        ("short", "0123456789abcdef", "at least 32"),
+        ("typed", "passwordpasswordpasswordpassword", "not random"),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, secret).expect("write secret");
+        for role in ["decode", "prefill", "router"] {
+            let mut command = airlock();
+            command.args([role, "--cluster-secret-file"]).arg(&path);
+            if role == "router" {
+                command.args(["--unified", "127.0.0.1:1"]);
+            }
+            let output = command.output().expect("the binary runs");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(1), "{role} {name}: {stderr}");
+            assert!(stderr.contains(why), "{role} {name}: {stderr}");
+            assert!(
+                stderr.contains("head -c 32 /dev/urandom | base64"),
+                "{role} {name}: {stderr}"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn without_keys_the_server_refuses_to_listen_beyond_loopback_unless_told() {
+    for command in ["serve", "unified"] {
+        let output = airlock()
+            .args([command, "--host", "0.0.0.0", "--port", "0"])
+            .env_remove("AIRLOCK_API_KEYS")
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{command}: {stderr}");
+        assert!(stderr.contains("--api-keys"), "{command}: {stderr}");
+        assert!(
+            stderr.contains("--allow-unauthenticated-remote"),
+            "{command}: {stderr}"
+        );
+    }
+}

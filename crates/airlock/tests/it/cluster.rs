@@ -21,7 +21,7 @@ fn temp_file(name: &str, text: &str) -> String {
 }
 
 fn secret_file() -> String {
-    temp_file("cluster.secret", "cluster-test-secret-0123456789\n")
+    temp_file("cluster.secret", "cluster-test-secret-0123456789abcdef\n")
 }
 
 #[test]
@@ -167,6 +167,35 @@ fn preflight_checks_a_running_deployment_through_health() {
     assert!(stdout.contains("preflight ok: 2 nodes"), "{stdout}");
 }
 
+#[test]
+fn preflight_of_a_keyed_deployment_needs_a_key_and_says_so() {
+    let mut options = Options::new(Mode::Disaggregated);
+    options.kv_tokens = 8192;
+    options.keys = Some("[tenants.ops]\nkeys = [\"sk-ops-0123456789\"]\n");
+    let server = start(options);
+    let output = airlock()
+        .args(["preflight", "--url", &server.url])
+        .env_remove("AIRLOCK_API_KEY")
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("--api-key"), "{stderr}");
+    let output = airlock()
+        .args([
+            "preflight",
+            "--url",
+            &server.url,
+            "--api-key",
+            "sk-ops-0123456789",
+        ])
+        .output()
+        .expect("runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("preflight ok: 2 nodes"), "{stdout}");
+}
+
 /// A worker that speaks the protocol but describes itself as `info`, with `secret`.
 fn impostor(secret: ClusterSecret, info: WorkerInfo) -> String {
     runtime().block_on(async move {
@@ -180,9 +209,11 @@ fn impostor(secret: ClusterSecret, info: WorkerInfo) -> String {
                 let info = info.clone();
                 tokio::spawn(async move {
                     let mut stream: BoxStream = Box::new(stream);
-                    let _ = accept_handshake(&mut stream, &secret, &info).await;
-                    // Hold the link open: only the router's verdict should end it.
-                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    // A peer that fails our handshake is hung up on, as a worker does; a
+                    // greeted link is held open: only the router's verdict should end it.
+                    if accept_handshake(&mut stream, &secret, &info).await.is_ok() {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                    }
                 });
             }
         });
@@ -190,8 +221,8 @@ fn impostor(secret: ClusterSecret, info: WorkerInfo) -> String {
     })
 }
 
-/// A worker from another protocol version: it answers every greeting with a frame of
-/// version 2.
+/// A worker from another protocol version: it answers every greeting with a frame of the
+/// next version.
 fn old_protocol_worker() -> String {
     runtime().block_on(async move {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -204,7 +235,8 @@ fn old_protocol_worker() -> String {
                     use tokio::io::AsyncWriteExt;
                     let _ = transfer::transport::read_frame(&mut stream).await;
                     let mut body = transfer::Frame::Proof { proof: [0; 32] }.encode();
-                    body[2..4].copy_from_slice(&2u16.to_le_bytes());
+                    let version = transfer::PROTOCOL_VERSION + 1;
+                    body[2..4].copy_from_slice(&version.to_le_bytes());
                     let _ = stream.write_all(&(body.len() as u32).to_le_bytes()).await;
                     let _ = stream.write_all(&body).await;
                     tokio::time::sleep(Duration::from_secs(60)).await;

@@ -67,6 +67,10 @@ pub struct Options {
     pub extra_workers: Vec<(String, Role)>,
     /// The real model's kernels (`None`: the fastest this CPU has).
     pub kernels: Option<kernels::Backend>,
+    /// The HTTP edge's bounds.
+    pub edge: router::EdgeConfig,
+    pub body_timeout: Duration,
+    pub cors_allow_origins: Vec<String>,
 }
 
 impl Options {
@@ -86,6 +90,15 @@ impl Options {
             secret: ClusterSecret::random(),
             extra_workers: Vec::new(),
             kernels: None,
+            edge: router::EdgeConfig {
+                header_timeout: Duration::from_secs(10),
+                keep_alive_timeout: Duration::from_secs(5),
+                connections_max: 4096,
+                connections_per_client_max: 512,
+                shutdown_grace: Duration::from_secs(1),
+            },
+            body_timeout: Duration::from_secs(30),
+            cors_allow_origins: Vec::new(),
         }
     }
 }
@@ -254,12 +267,14 @@ pub fn start(options: Options) -> TestServer {
             default_max_tokens: 64,
             in_flight_max: 256,
             start_timeout: Duration::from_secs(60),
+            body_timeout: options.body_timeout,
+            cors_allow_origins: options.cors_allow_origins.clone(),
         };
         let state = Arc::new(AppState::new(
             config,
             tenants,
             cluster,
-            metrics,
+            metrics.clone(),
             file.tokenizer,
             file.chat_template,
         ));
@@ -267,8 +282,10 @@ pub fn start(options: Options) -> TestServer {
             .await
             .expect("bind");
         let url = format!("http://{}", listener.local_addr().expect("address"));
+        let edge = options.edge.clone();
         let server = tokio::spawn(async move {
-            axum::serve(listener, router::app(state))
+            let app = router::app(state);
+            router::edge::serve(listener, app, edge, metrics, std::future::pending())
                 .await
                 .expect("server runs");
         });

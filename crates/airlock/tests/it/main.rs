@@ -5,6 +5,7 @@ mod api;
 mod canary;
 mod cli;
 mod cluster;
+mod edge;
 mod fuzz;
 mod harness;
 mod matrix;
