@@ -44,7 +44,7 @@ case "$MODE" in
 esac
 
 cargo build --release -p airlock --features fault-injection --target-dir target/fault-injection
-AIRLOCK="$(pwd)/target/fault-injection/release/airlock"
+AIRLOCK="$(pwd)/target/fault-injection/release/airlock-fault-injection"
 MODEL="${AIRLOCK_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 DIR="$(mktemp -d)"
 PIDS=()

@@ -26,39 +26,44 @@ use std::time::{Duration, Instant};
 pub struct Args {
     /// Servers to start and measure in turn: serve, unified, llama-cpp (comma-separated), or
     /// none [default: all three, unless --url is given]
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, env = "AIRLOCK_BENCH_SPAWN", value_delimiter = ',')]
     spawn: Vec<String>,
     /// Measure a running endpoint, as NAME=URL (e.g. vllm=http://host:8000); repeatable
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_BENCH_URL")]
     url: Vec<String>,
     /// Concurrency levels (requests in flight)
-    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_CONCURRENCY",
+        value_delimiter = ',',
+        default_value = "1,8"
+    )]
     concurrency: Vec<usize>,
     /// Requests per concurrency level (raised to 2 × the level where that is more)
-    #[arg(long, default_value_t = 24)]
+    #[arg(long, env = "AIRLOCK_BENCH_REQUESTS", default_value_t = 24)]
     requests: usize,
     /// max_tokens per request
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "AIRLOCK_BENCH_MAX_TOKENS", default_value_t = 128)]
     max_tokens: usize,
     /// Prompt lengths in words, as MIN-MAX; each request draws one with the seed
-    #[arg(long, default_value = "16-64")]
+    #[arg(long, env = "AIRLOCK_BENCH_PROMPT_WORDS", default_value = "16-64")]
     prompt_words: String,
     /// Seed of the prompt mix (same seed, same prompts for every server)
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, env = "AIRLOCK_BENCH_SEED", default_value_t = 1)]
     seed: u64,
     /// API key sent as a bearer token
     #[arg(long, env = "AIRLOCK_BENCH_KEY")]
     api_key: Option<String>,
     /// Port for spawned servers
-    #[arg(long, default_value_t = 18500)]
+    #[arg(long, env = "AIRLOCK_BENCH_PORT", default_value_t = 18500)]
     port: u16,
     /// Guard-overhead mode: two `airlock` binaries, GUARDED,UNGUARDED; each runs `serve` in
     /// turn (A B A B ...) at the first --concurrency level, and the report gives the
     /// throughput and p99 inter-token latency difference with a 95% confidence interval
-    #[arg(long, value_delimiter = ',', num_args = 1)]
+    #[arg(long, env = "AIRLOCK_BENCH_AB", value_delimiter = ',', num_args = 1)]
     ab: Vec<PathBuf>,
     /// Pairs of runs in --ab mode
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, env = "AIRLOCK_BENCH_PAIRS", default_value_t = 10)]
     pairs: usize,
     /// Scaling sweep, KEY=V1,V2,... (repeatable): concurrency=1,2,4,8,16,32 (replaces
     /// --concurrency; `none` skips it); prompt-tokens=128,256,...,max (TTFT vs prompt length:
@@ -66,34 +71,44 @@ pub struct Args {
     /// model's context length less --prompt-max-tokens and one); transfer-tokens=128,...,8192
     /// (KV pages sent over loopback TCP between two pools in this process, beside memcpy and
     /// xxh3 bandwidth; no server needed)
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_BENCH_SWEEP")]
     sweep: Vec<String>,
     /// Requests per point of the prompt-tokens sweep (the median TTFT is reported)
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "AIRLOCK_BENCH_PROMPT_REQUESTS", default_value_t = 3)]
     prompt_requests: usize,
     /// max_tokens per request of the prompt-tokens sweep
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "AIRLOCK_BENCH_PROMPT_MAX_TOKENS", default_value_t = 16)]
     prompt_max_tokens: usize,
     /// Repetitions per size of the transfer-tokens sweep (the median is reported)
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "AIRLOCK_BENCH_TRANSFER_REPS", default_value_t = 5)]
     transfer_reps: usize,
     /// Poll each target's /metrics every MS milliseconds for the KV pool occupancy curve
     /// (airlock routers only; 0: off)
-    #[arg(long, default_value_t = 100, value_name = "MS")]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_POLL_MS",
+        default_value_t = 100,
+        value_name = "MS"
+    )]
     poll_ms: u64,
     /// Write PNG charts (800x500) and bench.json (every figure) into DIR. Needs a TrueType
     /// font: $AIRLOCK_PLOT_FONT, else /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf
     /// (Debian package fonts-dejavu-core)
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, env = "AIRLOCK_BENCH_PLOT", value_name = "DIR")]
     plot: Option<PathBuf>,
     /// --queue-timeout-ms for spawned serve/unified. Their time to first token may not exceed
     /// queue + transfer timeout (60 s by default), and a prompt near the context length takes
     /// longer than that to prefill on a small machine [default: 600000 with a prompt-tokens
     /// sweep, else the server's own]
-    #[arg(long, value_name = "MS")]
+    #[arg(long, env = "AIRLOCK_BENCH_QUEUE_TIMEOUT_MS", value_name = "MS")]
     queue_timeout_ms: Option<u64>,
     /// Measure nothing: redraw the charts of an earlier run from its bench.json into --plot DIR
-    #[arg(long, value_name = "FILE", requires = "plot")]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_REPLOT",
+        value_name = "FILE",
+        requires = "plot"
+    )]
     replot: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,

@@ -13,22 +13,36 @@ use std::time::Instant;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Thread counts to measure, comma separated
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_MODEL_THREAD_COUNTS",
+        value_delimiter = ',',
+        default_value = "1,2"
+    )]
     thread_counts: Vec<usize>,
     /// Repetitions of each measurement (the median is reported)
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, env = "AIRLOCK_BENCH_MODEL_REPS", default_value_t = 5)]
     reps: usize,
     /// Prompt length for the prefill measurement
-    #[arg(long, default_value_t = 512)]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_MODEL_PREFILL_TOKENS",
+        default_value_t = 512
+    )]
     prefill_tokens: usize,
     /// Tokens generated per sequence in the decode measurements
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "AIRLOCK_BENCH_MODEL_DECODE_TOKENS", default_value_t = 128)]
     decode_tokens: usize,
     /// Batch sizes for aggregate decode, comma separated
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_MODEL_BATCHES",
+        value_delimiter = ',',
+        default_value = "1,4,16"
+    )]
     batches: Vec<usize>,
     /// Skip the llama.cpp peer measurement
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_BENCH_MODEL_NO_PEER")]
     no_peer: bool,
     #[command(flatten)]
     model: ModelArgs,

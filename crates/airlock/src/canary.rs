@@ -44,74 +44,78 @@ shown, not judged. The report goes to stdout (--json FILE for a copy), progress 
 #[command(after_help = EXAMPLES)]
 pub struct Args {
     /// Endpoint to audit: its base URL, with or without /v1 (http only)
-    #[arg(long, conflicts_with = "spawn")]
+    #[arg(long, env = "AIRLOCK_CANARY_URL", conflicts_with = "spawn")]
     url: Option<String>,
     /// Start a server from this executable and audit it: serve or unified, on a free port,
     /// with a keys file of the tenants (generated keys unless --keys/--keys-file/--single-key)
-    #[arg(long, value_parser = ["serve", "unified"])]
+    #[arg(long, env = "AIRLOCK_CANARY_SPAWN", value_parser = ["serve", "unified"])]
     spawn: Option<String>,
     /// One API key per tenant, comma-separated (k1,k2,...)
-    #[arg(long, value_delimiter = ',', conflicts_with_all = ["keys_file", "single_key"])]
+    #[arg(long, env = "AIRLOCK_CANARY_KEYS", value_delimiter = ',', conflicts_with_all = ["keys_file", "single_key"])]
     keys: Vec<String>,
     /// A keys file in `airlock serve --api-keys` format: one tenant per [tenants.NAME], using
     /// its first key
-    #[arg(long, conflicts_with = "single_key")]
+    #[arg(long, env = "AIRLOCK_CANARY_KEYS_FILE", conflicts_with = "single_key")]
     keys_file: Option<PathBuf>,
     /// One API key for every tenant: tenants then differ only by the request's `user` field.
     /// Without any key option, --url requests carry no key and differ the same way
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_SINGLE_KEY")]
     single_key: Option<String>,
     /// Number of tenants [default: 4; with --keys or --keys-file, one per key or tenant]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_TENANTS")]
     tenants: Option<usize>,
     /// Model id to send [default: the first of GET /v1/models]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_MODEL")]
     model: Option<String>,
     /// Context length in tokens (prompt + max_tokens): sizes the long and oversized prompts
     /// [default: from /health (airlock) or /v1/models max_model_len (vLLM), else 2048; with
     /// --spawn, the spawned server's, 2048]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_CONTEXT_LENGTH")]
     context_length: Option<usize>,
     /// Requests in all [default: 200, or no bound when --duration is given]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_REQUESTS")]
     requests: Option<usize>,
     /// Stop starting requests after this many seconds (those in flight finish)
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_DURATION")]
     duration: Option<f64>,
     /// Requests in flight at once
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, env = "AIRLOCK_CANARY_CONCURRENCY", default_value_t = 8)]
     concurrency: usize,
     /// max_tokens of the requests that should succeed
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, env = "AIRLOCK_CANARY_MAX_TOKENS", default_value_t = 16)]
     max_tokens: usize,
     /// Words of filler in a short prompt, as MIN..MAX (markers come on top)
-    #[arg(long, default_value = "8..48")]
+    #[arg(long, env = "AIRLOCK_CANARY_PROMPT_WORDS", default_value = "8..48")]
     prompt_words: String,
     /// Fraction of requests past the context length (prompt or max_tokens): must get 4xx
-    #[arg(long, default_value_t = 0.10)]
+    #[arg(
+        long,
+        env = "AIRLOCK_CANARY_OVERSIZED_FRACTION",
+        default_value_t = 0.10
+    )]
     oversized_fraction: f64,
     /// Fraction of invalid requests (max_tokens -1, malformed JSON, unknown model, a field of
     /// the wrong type): must get 4xx
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, env = "AIRLOCK_CANARY_INVALID_FRACTION", default_value_t = 0.05)]
     invalid_fraction: f64,
     /// Fraction of long prompts, near the context length: should succeed
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, env = "AIRLOCK_CANARY_LONG_FRACTION", default_value_t = 0.05)]
     long_fraction: f64,
     /// Fraction of should-succeed requests sent twice in a row (greedy): the two answers must
     /// be identical. A server that answers from KV that is not the request's own (stale or
     /// foreign pages) answers twins differently, even when the model repeats no marker. Only
     /// for engines whose greedy decoding is deterministic (Airlock's is)
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "AIRLOCK_CANARY_TWIN_FRACTION", default_value_t = 0.0)]
     twin_fraction: f64,
     /// Seed of the whole run (tenants' markers, prompt mix, endpoints); printed at the start
     /// and in the report, so the same run can be repeated [default: random]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_SEED")]
     seed: Option<u64>,
     /// Seconds one request may take, body included, before it counts as a transport error
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, env = "AIRLOCK_CANARY_TIMEOUT", default_value_t = 120.0)]
     timeout: f64,
     /// Also write the report as JSON to this file
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_CANARY_JSON")]
     json: Option<PathBuf>,
     /// With --spawn: GGUF model file [default: models/SmolLM2-135M-Instruct.Q4_1.gguf]
     #[arg(long, env = "AIRLOCK_MODEL")]

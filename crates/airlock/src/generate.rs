@@ -11,47 +11,47 @@ use std::time::Instant;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// The prompt text
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_PROMPT")]
     prompt: String,
     /// Wrap the prompt in the model's chat template as a user message
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_CHAT")]
     chat: bool,
     /// System message for --chat (default: the template's own)
-    #[arg(long, requires = "chat")]
+    #[arg(long, env = "AIRLOCK_GENERATE_SYSTEM", requires = "chat")]
     system: Option<String>,
     /// Most tokens to generate
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, env = "AIRLOCK_GENERATE_MAX_TOKENS", default_value_t = 128)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, env = "AIRLOCK_GENERATE_TEMPERATURE", default_value_t = 0.0)]
     temperature: f32,
     /// Sample only from the k most likely tokens; 0 disables
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "AIRLOCK_GENERATE_TOP_K", default_value_t = 0)]
     top_k: usize,
     /// Nucleus sampling threshold; 1 disables
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, env = "AIRLOCK_GENERATE_TOP_P", default_value_t = 1.0)]
     top_p: f32,
     /// Random seed for sampling (same seed, same output)
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, env = "AIRLOCK_GENERATE_SEED", default_value_t = 0)]
     seed: u64,
     /// Stop when this text appears (repeatable); it is not printed
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_STOP")]
     stop: Vec<String>,
     /// Keep generating past the end-of-sequence token
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_IGNORE_EOS")]
     ignore_eos: bool,
     /// KV page size in tokens
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    #[arg(long, env = "AIRLOCK_GENERATE_PAGE_SIZE", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=4096))]
     page_size: u16,
     /// KV pool capacity in tokens [default: the model's context length]
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_KV_TOKENS")]
     kv_tokens: Option<usize>,
     /// Zero each KV page when it is freed (pages are reused as they are otherwise; every read
     /// is still checked against the page's owner)
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_SCRUB_ON_FREE")]
     scrub_on_free: bool,
     /// Print the prompt's token ids to stderr
-    #[arg(long)]
+    #[arg(long, env = "AIRLOCK_GENERATE_SHOW_TOKENS")]
     show_tokens: bool,
     #[command(flatten)]
     model: ModelArgs,

@@ -3,6 +3,7 @@
 //! linked over real TCP on loopback.
 
 use crate::model_path::ModelArgs;
+use crate::Faults;
 use anyhow::{bail, Context, Result};
 use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
@@ -389,12 +390,13 @@ fn load_worker(
     file: &ModelFile,
     role: Role,
     name: String,
+    faults: Faults,
 ) -> Result<(WorkerConfig, Model, Tokenizer, PagePool)> {
     let started = Instant::now();
     let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
         .with_context(|| format!("loading {}", file.path.display()))?;
     let model = loaded.model;
-    let faults = worker::FaultPlan::from_env(role)?;
+    let faults = faults.plan(role)?;
     let preflight = faults.preflight_checked();
     let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
     let layout = model.config().kv_layout(args.page_size as usize);
@@ -454,8 +456,9 @@ async fn spawn_worker(
     name: String,
     listener: TcpListener,
     secret: &ClusterSecret,
+    faults: Faults,
 ) -> Result<Worker> {
-    let (config, model, tokenizer, pool) = load_worker(args, file, role, name)?;
+    let (config, model, tokenizer, pool) = load_worker(args, file, role, name, faults)?;
     let worker = start_worker(
         config,
         model,
@@ -596,7 +599,7 @@ fn print_ready(address: &str, model_name: &str, open: bool) {
 }
 
 /// `airlock serve`: router + prefill + decode in one process, over TCP on loopback.
-pub fn serve(args: ServeArgs) -> Result<()> {
+pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
     init_logging();
     let args = args.common;
     check_open_bind(&args)?;
@@ -614,6 +617,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             "decode-0".into(),
             decode_listener,
             &secret,
+            faults,
         )
         .await?;
         let _prefill = spawn_worker(
@@ -623,6 +627,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             "prefill-0".into(),
             prefill_listener,
             &secret,
+            faults,
         )
         .await?;
         let context_length = u64::from(decode.info.context_length);
@@ -669,7 +674,7 @@ pub fn router(args: RouterArgs) -> Result<()> {
     ))
 }
 
-fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
+fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -> Result<()> {
     init_logging();
     let common = args.common;
     let secret = cluster_secret(&common, false)?;
@@ -682,30 +687,30 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16) -> Result<()> {
         let name = args
             .name
             .unwrap_or_else(|| format!("{role_name}@{address}"));
-        let _worker = spawn_worker(&common, &file, role, name, listener, &secret).await?;
+        let _worker = spawn_worker(&common, &file, role, name, listener, &secret, faults).await?;
         println!("Airlock {role_name} worker listening on {address}");
         let _ = tokio::signal::ctrl_c().await;
         Ok(())
     })
 }
 
-pub fn prefill(args: WorkerArgs) -> Result<()> {
-    run_worker(args, Role::Prefill, 9001)
+pub fn prefill(args: WorkerArgs, faults: Faults) -> Result<()> {
+    run_worker(args, Role::Prefill, 9001, faults)
 }
 
-pub fn decode(args: WorkerArgs) -> Result<()> {
-    run_worker(args, Role::Decode, 9002)
+pub fn decode(args: WorkerArgs, faults: Faults) -> Result<()> {
+    run_worker(args, Role::Decode, 9002, faults)
 }
 
 /// `airlock unified`: one worker doing prefill and decode in one pool, and the router in
 /// front of it: the single-node baseline, with no transfer.
-pub fn unified(args: UnifiedArgs) -> Result<()> {
+pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
     if args.worker_only {
         let worker_args = WorkerArgs {
             common: args.common,
             name: None,
         };
-        return run_worker(worker_args, Role::Unified, 9003);
+        return run_worker(worker_args, Role::Unified, 9003, faults);
     }
     init_logging();
     let args = args.common;
@@ -722,6 +727,7 @@ pub fn unified(args: UnifiedArgs) -> Result<()> {
             "unified-0".into(),
             listener,
             &secret,
+            faults,
         )
         .await?;
         let context_length = Some(u64::from(worker.info.context_length));

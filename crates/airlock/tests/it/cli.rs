@@ -3,8 +3,15 @@
 use std::path::Path;
 use std::process::Command;
 
+/// The server executable, as `cargo test` built it: with fault injection compiled into the
+/// workers it links, at the path (`target/<profile>/airlock`) users run.
 pub fn airlock() -> Command {
     Command::new(env!("CARGO_BIN_EXE_airlock"))
+}
+
+/// The test-only executable whose workers obey `AIRLOCK_FAULTS`.
+pub fn airlock_fault_injection() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_airlock-fault-injection"))
 }
 
 pub fn model_path() -> String {
@@ -199,5 +206,107 @@ fn without_keys_the_server_refuses_to_listen_beyond_loopback_unless_told() {
             stderr.contains("--allow-unauthenticated-remote"),
             "{command}: {stderr}"
         );
+    }
+}
+
+/// `cargo test` builds the workers with fault injection, and its `airlock` lands where users
+/// run it: that executable still refuses every fault plan, for every serving role, before it
+/// loads anything; only `airlock-fault-injection` reads one.
+#[test]
+fn the_server_executable_refuses_airlock_faults_whatever_it_was_built_with() {
+    let path = std::path::PathBuf::from(env!("CARGO_BIN_EXE_airlock"));
+    assert_eq!(path.file_name().and_then(|n| n.to_str()), Some("airlock"));
+    for faults in [
+        "drop-page",
+        "no-owner-check",
+        "decode:no-transfer-verify",
+        "no-admission",
+    ] {
+        for role in ["serve", "unified", "prefill", "decode"] {
+            let output = airlock()
+                .args([role, "--port", "0"])
+                .env("AIRLOCK_FAULTS", faults)
+                .output()
+                .expect("the binary runs");
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_eq!(output.status.code(), Some(1), "{role} {faults}: {stderr}");
+            assert!(stderr.contains("never injects faults"), "{stderr}");
+            assert!(stderr.contains(faults), "{stderr}");
+        }
+    }
+    // The test executable says what it is, and does read the plan: a misspelt fault is an
+    // error naming it.
+    let secret = std::env::temp_dir().join(format!("airlock-faults-{}", std::process::id()));
+    std::fs::write(&secret, "fault-test-secret-0123456789abcdef").expect("secret file");
+    let output = airlock_fault_injection()
+        .args([
+            "decode",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--model",
+            &model_path(),
+        ])
+        .arg("--cluster-secret-file")
+        .arg(&secret)
+        .env("AIRLOCK_FAULTS", "no-such-fault")
+        .output()
+        .expect("the binary runs");
+    std::fs::remove_file(&secret).ok();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("TEST executable"), "{stderr}");
+    assert!(stderr.contains("no-such-fault"), "{stderr}");
+}
+
+/// Every option of every subcommand can also be set from the environment, and `--help` names
+/// the variable.
+#[test]
+fn every_flag_of_every_subcommand_has_its_environment_variable() {
+    let subcommands = [
+        "serve",
+        "router",
+        "prefill",
+        "decode",
+        "unified",
+        "bench",
+        "canary",
+        "preflight",
+        "generate",
+        "bench-model",
+    ];
+    for subcommand in subcommands {
+        let output = airlock()
+            .args([subcommand, "--help"])
+            .output()
+            .expect("runs");
+        assert!(output.status.success(), "{subcommand} --help");
+        let help = String::from_utf8_lossy(&output.stdout);
+        let mut blocks: Vec<String> = Vec::new();
+        for line in help.lines() {
+            // Options sit at most 6 columns in; descriptions (long help) further in.
+            let trimmed = line.trim_start();
+            let indent = line.len() - trimmed.len();
+            let starts_option = indent <= 6 && trimmed.starts_with('-');
+            if starts_option {
+                blocks.push(String::new());
+            }
+            if let Some(block) = blocks.last_mut() {
+                block.push_str(line);
+                block.push('\n');
+            }
+        }
+        assert!(blocks.len() > 2, "{subcommand} has options:\n{help}");
+        for block in blocks {
+            let flag = block.split_whitespace().find(|w| w.starts_with("--"));
+            if matches!(flag, Some("--help") | Some("--version")) {
+                continue;
+            }
+            assert!(
+                block.contains("[env: AIRLOCK_"),
+                "{subcommand} {flag:?} has no environment variable:\n{block}"
+            );
+        }
     }
 }

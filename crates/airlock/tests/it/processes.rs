@@ -1,10 +1,10 @@
 //! The roles as separate processes on loopback, and the official `openai` Python client
 //! against `airlock serve`.
 
-use crate::cli::{airlock, model_path};
+use crate::cli::{airlock, airlock_fault_injection, model_path};
 use crate::harness::{completion, post, runtime, MODEL};
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -24,18 +24,29 @@ impl Drop for Process {
 /// Starts `airlock ARGS` and waits (bounded) for the stdout line containing `marker`;
 /// returns the process and the text after the marker up to the first space.
 fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
-    spawn_with_faults(name, args, marker, "")
+    spawn_command(airlock(), name, args, marker)
 }
 
-/// [`spawn`], with `AIRLOCK_FAULTS` set (test builds have fault injection).
+/// [`spawn`] of the test-only `airlock-fault-injection`, with `AIRLOCK_FAULTS` set (test
+/// builds have fault injection).
 fn spawn_with_faults(
     name: &'static str,
     args: &[&str],
     marker: &str,
     faults: &str,
 ) -> (Process, String) {
-    let mut child = airlock()
-        .env("AIRLOCK_FAULTS", faults)
+    let mut command = airlock_fault_injection();
+    command.env("AIRLOCK_FAULTS", faults);
+    spawn_command(command, name, args, marker)
+}
+
+fn spawn_command(
+    mut command: Command,
+    name: &'static str,
+    args: &[&str],
+    marker: &str,
+) -> (Process, String) {
+    let mut child = command
         .args(args)
         .args(["--model", &model_path(), "--threads", "1"])
         .args(["--cluster-secret-file", &secret_file()])
