@@ -3,6 +3,40 @@ use half::f16;
 use proptest::prelude::*;
 
 /// A deterministic pseudo-random stream (xorshift) for test data.
+/// Says that `what` could not be tested on this machine, and why: on stderr, and appended to
+/// the file `AIRLOCK_SKIPPED_TESTS` names, which `.ci/run` prints after the run (cargo shows a
+/// passing test's output only with `--nocapture`, so a skip would otherwise pass unseen).
+fn skipped(what: &str, why: &str) {
+    let line = format!("SKIPPED {what}: {why}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("AIRLOCK_SKIPPED_TESTS") {
+        use std::io::Write;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path);
+        if let Ok(mut file) = file {
+            let _ = writeln!(file, "{line}");
+        }
+    }
+}
+
+/// Each backend this CPU cannot run is left out of every test that loops over the backends:
+/// say so once, by name.
+#[test]
+fn backends_this_cpu_cannot_run_are_reported() {
+    let available = Backend::available();
+    for backend in [Backend::Avx2, Backend::Avx512Vnni] {
+        if !available.contains(&backend) {
+            skipped(
+                &format!("kernels {backend:?} backend"),
+                "this CPU lacks its instructions; the tests over every backend ran without it",
+            );
+        }
+    }
+    assert!(available.contains(&Backend::Scalar));
+}
+
 struct Rng(u64);
 impl Rng {
     fn next_u64(&mut self) -> u64 {
@@ -172,7 +206,10 @@ fn matmul_bits_do_not_depend_on_the_thread_count() {
 fn vnni_matmuls_equal_avx2_bit_for_bit() {
     let available = Backend::available();
     if !available.contains(&Backend::Avx512Vnni) {
-        eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+        skipped(
+            "kernels::vnni_matmuls_equal_avx2_bit_for_bit",
+            "no AVX-512 VNNI on this CPU",
+        );
         return;
     }
     let workers = Workers::new(2);
@@ -573,7 +610,10 @@ proptest! {
 #[test]
 fn ggml_exact_q41_simd_equals_portable() {
     if !crate::backend::has_avx2() {
-        eprintln!("skipped: this CPU has no AVX2, so there is no SIMD version to compare");
+        skipped(
+            "kernels::ggml_exact_q41_simd_equals_portable",
+            "this CPU has no AVX2, so there is no SIMD version to compare",
+        );
         return;
     }
     let (rows, cols, tokens) = (16, 256, 5);
