@@ -342,7 +342,7 @@ pub fn transfer_sweep(
 ) -> Result<TransferReport> {
     let max_tokens = tokens.iter().copied().max().context("no transfer sizes")?;
     let page_bytes = layout.page_bytes();
-    if page_bytes + 64 > transfer::MAX_FRAME_BYTES {
+    if !transfer::page_fits_frame(page_bytes) {
         bail!("pages of {page_bytes} bytes do not fit a transfer frame");
     }
     let pool = |tokens: usize| {

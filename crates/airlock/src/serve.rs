@@ -411,7 +411,7 @@ fn load_worker(
         plan.capacity_tokens,
         "the pool has the capacity the plan computed"
     );
-    if layout.page_bytes() + 64 > transfer::MAX_FRAME_BYTES {
+    if !transfer::page_fits_frame(layout.page_bytes()) {
         bail!(
             "--page-size {} makes pages too large to transfer",
             args.page_size

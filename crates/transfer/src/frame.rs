@@ -17,6 +17,15 @@ pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
 
+/// Most bytes a `Page` frame's body holds beside the page itself (magic, version, kind, ids,
+/// index, length prefix); tested against the encoding.
+pub const PAGE_FRAME_OVERHEAD_BYTES_MAX: usize = 64;
+
+/// Whether pages of `page_bytes` fit one frame: layouts that do not cannot be transferred.
+pub fn page_fits_frame(page_bytes: usize) -> bool {
+    page_bytes + PAGE_FRAME_OVERHEAD_BYTES_MAX <= MAX_FRAME_BYTES
+}
+
 /// Caps on variable-length fields, each far above what a legitimate peer sends.
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 pub const MAX_STRING_BYTES: usize = 64 << 10;

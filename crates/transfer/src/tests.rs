@@ -521,3 +521,27 @@ async fn every_handshake_field_must_match() {
     let (client, _) = handshake_pair(secret.clone(), secret, any_context).await;
     assert!(client.is_ok());
 }
+
+#[test]
+fn a_page_frame_adds_at_most_its_stated_overhead_to_the_page() {
+    let page_bytes = 4096;
+    let frame = Frame::Page {
+        transfer: TransferId(u64::MAX),
+        request: RequestId(u64::MAX),
+        tenant: TenantId(u64::MAX),
+        index: u32::MAX,
+        bytes: vec![0; page_bytes],
+    };
+    let body = frame.encode().len() - 4;
+    assert!(
+        body - page_bytes <= PAGE_FRAME_OVERHEAD_BYTES_MAX,
+        "{}",
+        body - page_bytes
+    );
+    assert!(page_fits_frame(
+        MAX_FRAME_BYTES - PAGE_FRAME_OVERHEAD_BYTES_MAX
+    ));
+    assert!(!page_fits_frame(
+        MAX_FRAME_BYTES - PAGE_FRAME_OVERHEAD_BYTES_MAX + 1
+    ));
+}
