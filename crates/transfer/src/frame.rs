@@ -39,20 +39,51 @@ const MAGIC: [u8; 2] = *b"AL";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TransferId(pub u64);
 
-/// What a worker does in a deployment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Role {
-    Prefill,
-    Decode,
-    Unified,
+/// A fieldless enum sent as one byte, its declaration order, with `ALL`, every variant in that
+/// order: the one list both directions of the encoding use, so no variant can be sent that the
+/// decoder does not know.
+macro_rules! wire_enum {
+    ($(#[$meta:meta])* $vis:vis enum $name:ident {
+        $($(#[$variant_meta:meta])* $variant:ident,)+
+    }) => {
+        $(#[$meta])*
+        $vis enum $name {
+            $($(#[$variant_meta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every variant, in wire order.
+            pub const ALL: &'static [$name] = &[$($name::$variant,)+];
+
+            fn from_wire(value: u8, field: &'static str) -> Result<$name, DecodeError> {
+                Self::ALL
+                    .iter()
+                    .copied()
+                    .find(|candidate| *candidate as u8 == value)
+                    .ok_or(DecodeError::UnknownEnum { field, value })
+            }
+        }
+    };
 }
 
-/// Who opened a link to a worker.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PeerRole {
-    Router,
-    /// A prefill worker that will send pages to this (decode) worker.
-    Prefill,
+wire_enum! {
+    /// What a worker does in a deployment.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Role {
+        Prefill,
+        Decode,
+        Unified,
+    }
+}
+
+wire_enum! {
+    /// Who opened a link to a worker.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum PeerRole {
+        Router,
+        /// A prefill worker that will send pages to this (decode) worker.
+        Prefill,
+    }
 }
 
 /// What a worker tells whoever connects to it: enough for the router's admission check and
@@ -113,52 +144,58 @@ pub struct Submit {
     pub plan: Plan,
 }
 
-/// Why a finished request stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    Stop,
-    Length,
+wire_enum! {
+    /// Why a finished request stopped.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Finish {
+        Stop,
+        Length,
+    }
 }
 
-/// Why a request failed; the router maps each to an HTTP status.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Failure {
-    /// Cancelled (client gone, or the router gave up).
-    Aborted,
-    /// Prompt + max_tokens over the context length.
-    ContextLengthExceeded,
-    /// Prompt + max_tokens over this worker's whole pool.
-    PoolTooSmall,
-    /// Waited for pages past the queue timeout.
-    QueueTimeout,
-    /// The worker's queue is full.
-    Overloaded,
-    /// The transfer was refused by verification, or its link broke.
-    TransferFailed,
-    /// The transfer did not complete in time.
-    TransferTimeout,
-    /// A peer could not be reached.
-    PeerUnavailable,
-    /// The request itself is invalid (empty prompt, token out of range).
-    BadRequest,
-    Internal,
+wire_enum! {
+    /// Why a request failed; the router maps each to an HTTP status.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Failure {
+        /// Cancelled (client gone, or the router gave up).
+        Aborted,
+        /// Prompt + max_tokens over the context length.
+        ContextLengthExceeded,
+        /// Prompt + max_tokens over this worker's whole pool.
+        PoolTooSmall,
+        /// Waited for pages past the queue timeout.
+        QueueTimeout,
+        /// The worker's queue is full.
+        Overloaded,
+        /// The transfer was refused by verification, or its link broke.
+        TransferFailed,
+        /// The transfer did not complete in time.
+        TransferTimeout,
+        /// A peer could not be reached.
+        PeerUnavailable,
+        /// The request itself is invalid (empty prompt, token out of range).
+        BadRequest,
+        Internal,
+    }
 }
 
-/// Why a decode worker refused a transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reject {
-    /// No reservation for this transfer (never made, already ended, or another request's).
-    UnknownTransfer,
-    /// Request or tenant differ from the reservation.
-    HeaderMismatch,
-    /// Page index or byte count outside the reservation.
-    BadPage,
-    /// Token or page count differ from what the reservation expects.
-    LengthMismatch,
-    /// A page announced in `Done` never arrived.
-    MissingPage,
-    /// The bytes do not hash to the sender's checksum.
-    ChecksumMismatch,
+wire_enum! {
+    /// Why a decode worker refused a transfer.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Reject {
+        /// No reservation for this transfer (never made, already ended, or another request's).
+        UnknownTransfer,
+        /// Request or tenant differ from the reservation.
+        HeaderMismatch,
+        /// Page index or byte count outside the reservation.
+        BadPage,
+        /// Token or page count differ from what the reservation expects.
+        LengthMismatch,
+        /// A page announced in `Done` never arrived.
+        MissingPage,
+        /// The bytes do not hash to the sender's checksum.
+        ChecksumMismatch,
+    }
 }
 
 /// The end of a transfer as the sender states it.
@@ -499,13 +536,13 @@ impl Frame {
     fn decode_fields(kind: u8, r: &mut Reader) -> Result<Frame, DecodeError> {
         let frame = match kind {
             1 => Frame::Connect {
-                peer: peer_role(r.u8()?)?,
+                peer: PeerRole::from_wire(r.u8()?, "peer")?,
                 nonce: r.array()?,
             },
             17 => Frame::Challenge { nonce: r.array()? },
             18 => Frame::Proof { proof: r.array()? },
             2 => Frame::Hello(WorkerInfo {
-                role: role(r.u8()?)?,
+                role: Role::from_wire(r.u8()?, "role")?,
                 name: r.string("name")?,
                 model_id: r.string("model_id")?,
                 weights_hash: r.u64()?,
@@ -537,13 +574,13 @@ impl Frame {
             },
             8 => Frame::Finished {
                 request: RequestId(r.u64()?),
-                finish: finish(r.u8()?)?,
+                finish: Finish::from_wire(r.u8()?, "finish")?,
                 prompt_tokens: r.u32()?,
                 completion_tokens: r.u32()?,
             },
             9 => Frame::Failed {
                 request: RequestId(r.u64()?),
-                failure: failure(r.u8()?)?,
+                failure: Failure::from_wire(r.u8()?, "failure")?,
                 message: r.string("message")?,
             },
             10 => Frame::PoolStats {
@@ -587,7 +624,7 @@ impl Frame {
             },
             15 => Frame::Nack {
                 transfer: TransferId(r.u64()?),
-                reject: reject(r.u8()?)?,
+                reject: Reject::from_wire(r.u8()?, "reject")?,
             },
             16 => Frame::AbortAck {
                 transfer: TransferId(r.u64()?),
@@ -696,61 +733,6 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         plan,
     })
 }
-
-macro_rules! enum_from_u8 {
-    ($fn_name:ident, $ty:ty, $field:literal, [$($variant:expr),+ $(,)?]) => {
-        fn $fn_name(value: u8) -> Result<$ty, DecodeError> {
-            [$($variant),+]
-                .into_iter()
-                .find(|candidate| *candidate as u8 == value)
-                .ok_or(DecodeError::UnknownEnum { field: $field, value })
-        }
-    };
-}
-
-enum_from_u8!(
-    role,
-    Role,
-    "role",
-    [Role::Prefill, Role::Decode, Role::Unified]
-);
-enum_from_u8!(
-    peer_role,
-    PeerRole,
-    "peer",
-    [PeerRole::Router, PeerRole::Prefill]
-);
-enum_from_u8!(finish, Finish, "finish", [Finish::Stop, Finish::Length]);
-enum_from_u8!(
-    failure,
-    Failure,
-    "failure",
-    [
-        Failure::Aborted,
-        Failure::ContextLengthExceeded,
-        Failure::PoolTooSmall,
-        Failure::QueueTimeout,
-        Failure::Overloaded,
-        Failure::TransferFailed,
-        Failure::TransferTimeout,
-        Failure::PeerUnavailable,
-        Failure::BadRequest,
-        Failure::Internal,
-    ]
-);
-enum_from_u8!(
-    reject,
-    Reject,
-    "reject",
-    [
-        Reject::UnknownTransfer,
-        Reject::HeaderMismatch,
-        Reject::BadPage,
-        Reject::LengthMismatch,
-        Reject::MissingPage,
-        Reject::ChecksumMismatch,
-    ]
-);
 
 #[derive(Default)]
 struct Writer(Vec<u8>);

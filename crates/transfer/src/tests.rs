@@ -545,3 +545,61 @@ fn a_page_frame_adds_at_most_its_stated_overhead_to_the_page() {
         MAX_FRAME_BYTES - PAGE_FRAME_OVERHEAD_BYTES_MAX + 1
     ));
 }
+
+/// Every variant of every one-byte enum crosses a link intact, in the frame that carries it,
+/// and the first byte past each enum's variants is refused by name.
+#[test]
+fn every_variant_of_every_wire_enum_round_trips() {
+    let round_trip = |frame: Frame| {
+        let decoded = Frame::decode(&frame.encode()).expect("decodes");
+        assert_eq!(decoded, frame);
+    };
+    for &failure in Failure::ALL {
+        round_trip(Frame::Failed {
+            request: RequestId(1),
+            failure,
+            message: format!("{failure:?}"),
+        });
+    }
+    for &reject in Reject::ALL {
+        round_trip(Frame::Nack {
+            transfer: TransferId(1),
+            reject,
+        });
+    }
+    for &finish in Finish::ALL {
+        round_trip(Frame::Finished {
+            request: RequestId(1),
+            finish,
+            prompt_tokens: 1,
+            completion_tokens: 1,
+        });
+    }
+    for &role in Role::ALL {
+        round_trip(Frame::Hello(WorkerInfo {
+            role,
+            ..worker_info()
+        }));
+    }
+    for &peer in PeerRole::ALL {
+        round_trip(Frame::Connect {
+            peer,
+            nonce: [1; 32],
+        });
+    }
+    // One past the last variant: the byte sits right after the kind in `Nack`'s body.
+    let mut body = Frame::Nack {
+        transfer: TransferId(1),
+        reject: Reject::UnknownTransfer,
+    }
+    .encode();
+    let last = body.len() - 1;
+    body[last] = Reject::ALL.len() as u8;
+    assert_eq!(
+        Frame::decode(&body),
+        Err(DecodeError::UnknownEnum {
+            field: "reject",
+            value: Reject::ALL.len() as u8
+        })
+    );
+}
