@@ -1,5 +1,6 @@
-//! The router: the OpenAI-compatible HTTP front (axum), API keys -> tenants, admission, the
-//! choice of workers, and the relay of each answer back to its client.
+//! The router: the OpenAI-compatible HTTP front (axum, served by its own hyper edge that
+//! bounds every connection's time and number), API keys -> tenants, admission, the choice of
+//! workers, and the relay of each answer back to its client.
 //!
 //! Invariants kept here (DESIGN.md): **I2** no 200 before the decode worker reports a sealed,
 //! verified transfer, and a late failure is an SSE `error` event without `[DONE]`; **I3**
