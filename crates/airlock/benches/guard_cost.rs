@@ -33,15 +33,14 @@ fn model_path() -> String {
 
 /// Median wall time in seconds of `runs` calls of `work`.
 fn median_seconds(runs: usize, mut work: impl FnMut()) -> f64 {
-    let mut times: Vec<f64> = (0..runs)
+    let times: Vec<f64> = (0..runs)
         .map(|_| {
             let start = Instant::now();
             work();
             start.elapsed().as_secs_f64()
         })
         .collect();
-    times.sort_by(f64::total_cmp);
-    times[runs / 2]
+    stats::median(&times)
 }
 
 fn main() {

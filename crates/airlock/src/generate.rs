@@ -1,10 +1,10 @@
 //! `airlock generate`: one prompt, streamed to stdout, with load progress and speed on stderr.
 
-use crate::model_path::ModelArgs;
 use anyhow::{Context, Result};
 use gguf::ChatMessage;
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{GenerateRequest, Model, SamplingParams};
+use model_args::ModelArgs;
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 

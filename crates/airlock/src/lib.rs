@@ -9,14 +9,8 @@
 //!   same command line, obeying `AIRLOCK_FAULTS` where it was built with the `fault-injection`
 //!   feature, and saying what it is at every start.
 
-mod bench;
-mod bench_curves;
-mod bench_model;
-mod bench_plot;
-mod canary;
 mod config_file;
 mod generate;
-mod model_path;
 mod preflight;
 mod serve;
 
@@ -58,7 +52,7 @@ enum Command {
     /// Generate text for one prompt, streaming tokens to stdout.
     Generate(generate::Args),
     /// Measure prefill and decode speed on this machine, beside llama.cpp when available.
-    BenchModel(bench_model::Args),
+    BenchModel(bench::model_speed::Args),
 }
 
 /// Whether an executable may obey `AIRLOCK_FAULTS`.
@@ -168,6 +162,6 @@ fn run(faults: Faults) -> anyhow::Result<()> {
         Command::Canary(args) => canary::run(args),
         Command::Preflight(args) => preflight::run(args),
         Command::Generate(args) => generate::run(args),
-        Command::BenchModel(args) => bench_model::run(args),
+        Command::BenchModel(args) => bench::model_speed::run(args),
     }
 }

@@ -1,11 +1,11 @@
 //! `airlock preflight`: checks a deployment's capacity node by node, from a TOML file before
 //! it runs or from a running router's `/health`, and exits non-zero if any node fails.
 
-use crate::model_path::ModelArgs;
 use anyhow::{bail, Context, Result};
 use config::preflight::{evaluate, evaluate_live, parse, render, LiveNode};
 use config::ModelShape;
 use gguf::GgufFile;
+use model_args::ModelArgs;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]

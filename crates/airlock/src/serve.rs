@@ -2,13 +2,13 @@
 //! process of its own; `serve` runs a router, a prefill and a decode worker in one process,
 //! linked over real TCP on loopback.
 
-use crate::model_path::ModelArgs;
 use crate::Faults;
 use anyhow::{bail, Context, Result};
 use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
+use model_args::{ModelArgs, DEFAULT_MODEL_NAME};
 use router::{AppState, Cluster, EdgeConfig, Metrics, RouterConfig, Tenants};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -18,9 +18,6 @@ use tokio::net::TcpListener;
 use transfer::transport::Tcp;
 use transfer::{ClusterSecret, Expectation, Role};
 use worker::{start_worker, Listener, Worker, WorkerConfig};
-
-/// The id clients name in `"model"` unless `--model-name` says otherwise.
-pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 
 /// Flags every serving role takes.
 #[derive(clap::Args, Clone, Debug)]
@@ -316,7 +313,7 @@ impl ModelFile {
                 fraction,
                 available_bytes: available_memory()?,
                 weight_bytes,
-                working_bytes: 128 << 20,
+                working_bytes: config::WORKING_BYTES,
             }
         } else {
             let tokens = args.kv_tokens.unwrap_or(match context {

@@ -10,5 +10,5 @@ pub mod sizing;
 
 pub use sizing::{
     parse_bytes, plan_pool, resolve_context, CapacityError, ContextSetting, KvBudget, ModelShape,
-    PoolPlan, SizingError, KV_DTYPE, KV_DTYPE_BYTES,
+    PoolPlan, SizingError, KV_DTYPE, KV_DTYPE_BYTES, WORKING_BYTES,
 };

@@ -232,7 +232,7 @@ fn budget(node: &NodeSpec, weight_bytes: u64) -> Result<KvBudget, String> {
         fraction,
         available_bytes: parse_bytes(memory)?,
         weight_bytes,
-        working_bytes: 128 << 20,
+        working_bytes: crate::sizing::WORKING_BYTES,
     })
 }
 

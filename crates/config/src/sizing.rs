@@ -192,13 +192,10 @@ pub fn resolve_context(
     Ok(context_length)
 }
 
-/// Working memory of a worker beyond weights and KV: activations for a step of
-/// `step_tokens` rows, logits for up to `max_batch` rows, and a fixed margin for the runtime.
-pub fn working_bytes(dim: u64, ffn_dim: u64, vocab: u64, step_tokens: u64, max_batch: u64) -> u64 {
-    const MARGIN: u64 = 64 << 20;
-    let per_row = 4 * (6 * dim + 2 * ffn_dim);
-    step_tokens * per_row + max_batch * vocab * 4 + MARGIN
-}
+/// Working memory a worker is taken to need beyond weights and KV (a step's activations and
+/// logits, the runtime) when its pool is sized from a memory fraction. One value for `serve`
+/// and `preflight`: were they to differ, preflight would pass a node that serve refuses.
+pub const WORKING_BYTES: u64 = 128 << 20;
 
 /// Parses a byte count: `123`, `512KiB`, `512MiB`, `2GiB`, `2G`, `1.5GB` (K/M/G are 1024-based).
 pub fn parse_bytes(text: &str) -> Result<u64, String> {

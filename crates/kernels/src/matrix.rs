@@ -25,7 +25,7 @@ pub enum WeightFormat {
 
 impl WeightFormat {
     /// Bytes of one 32-value block in the GGUF file.
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             WeightFormat::Q4_1 => 20,
             WeightFormat::Q8_0 => 34,
@@ -59,6 +59,15 @@ pub(crate) struct Q80PairBlock {
     pub qs: [u8; 512],
     pub d: [u16; 16],
 }
+
+// The kernels index these blocks by byte offsets (prefetch strides, `size_of` steps): no
+// padding may creep in. 8 rows × 32 values at 4 (Q4_1) or 8 (Q8_0) bits, then f16 scales.
+const _: () = assert!(std::mem::size_of::<Q41GroupBlock>() == 8 * 16 + 2 * 8 * 2);
+const _: () = assert!(std::mem::size_of::<Q80GroupBlock>() == 8 * 32 + 8 * 2);
+const _: () = assert!(std::mem::size_of::<Q80PairBlock>() == 16 * 32 + 16 * 2);
+// Each group block holds 8 of the file's blocks, repacked, and nothing else.
+const _: () = assert!(std::mem::size_of::<Q41GroupBlock>() == 8 * WeightFormat::Q4_1.block_bytes());
+const _: () = assert!(std::mem::size_of::<Q80GroupBlock>() == 8 * WeightFormat::Q8_0.block_bytes());
 
 // SAFETY: all three are arrays of integers only; all-zero bytes are a valid value of each.
 unsafe impl bytemuck::Zeroable for Q41GroupBlock {}

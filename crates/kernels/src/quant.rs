@@ -19,6 +19,9 @@ pub struct ActBlock {
     pub qsum: i32,
 }
 
+// 32 quantized values and three 4-byte fields, no padding: kernels read `qs` as 32 bytes.
+const _: () = assert!(std::mem::size_of::<ActBlock>() == BLOCK + 12);
+
 /// A batch of activation rows, quantized: `rows` rows of `blocks_per_row` blocks.
 #[derive(Clone, Debug, Default)]
 pub struct QuantActs {

@@ -1,6 +1,7 @@
 use crate::*;
 use half::f16;
 use proptest::prelude::*;
+use stats::SplitMix64;
 
 /// A deterministic pseudo-random stream (xorshift) for test data.
 /// Says that `what` could not be tested on this machine, and why: on stderr, and appended to
@@ -37,32 +38,16 @@ fn backends_this_cpu_cannot_run_are_reported() {
     assert!(available.contains(&Backend::Scalar));
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn byte(&mut self) -> u8 {
-        self.next_u64() as u8
-    }
-}
-
 /// GGUF-layout Q4_1 bytes for a random `rows × cols` matrix, and its dequantized values.
-fn random_q41(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+fn random_q41(rng: &mut SplitMix64, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     let mut bytes = Vec::new();
     let mut values = Vec::new();
     for _ in 0..rows * cols / 32 {
-        let d = f16::from_f32(rng.f32().abs() * 0.1);
-        let m = f16::from_f32(rng.f32() * 0.5);
+        let d = f16::from_f32(rng.signed_f32().abs() * 0.1);
+        let m = f16::from_f32(rng.signed_f32() * 0.5);
         bytes.extend_from_slice(&d.to_bits().to_le_bytes());
         bytes.extend_from_slice(&m.to_bits().to_le_bytes());
-        let nibbles: Vec<u8> = (0..16).map(|_| rng.byte()).collect();
+        let nibbles: Vec<u8> = (0..16).map(|_| rng.next_u64() as u8).collect();
         let mut block = [0f32; 32];
         for (j, &b) in nibbles.iter().enumerate() {
             block[j] = d.to_f32() * (b & 15) as f32 + m.to_f32();
@@ -74,14 +59,14 @@ fn random_q41(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     (bytes, values)
 }
 
-fn random_q80(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+fn random_q80(rng: &mut SplitMix64, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
     let mut bytes = Vec::new();
     let mut values = Vec::new();
     for _ in 0..rows * cols / 32 {
-        let d = f16::from_f32(rng.f32().abs() * 0.01);
+        let d = f16::from_f32(rng.signed_f32().abs() * 0.01);
         bytes.extend_from_slice(&d.to_bits().to_le_bytes());
         for _ in 0..32 {
-            let q = (rng.byte() as i8).max(-127);
+            let q = (rng.next_u64() as u8 as i8).max(-127);
             bytes.push(q as u8);
             values.push(d.to_f32() * q as f32);
         }
@@ -91,7 +76,7 @@ fn random_q80(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
 
 /// `random_q41` or `random_q80`, as `format` says.
 fn random_weights(
-    rng: &mut Rng,
+    rng: &mut SplitMix64,
     format: WeightFormat,
     rows: usize,
     cols: usize,
@@ -115,10 +100,10 @@ fn naive_matmul(w: &[f32], rows: usize, cols: usize, x: &[f32], tokens: usize) -
 }
 
 fn check_matmul(format: WeightFormat, rows: usize, cols: usize, tokens: usize, seed: u64) {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64::new(seed);
     let (bytes, values) = random_weights(&mut rng, format, rows, cols);
     let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
-    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.signed_f32()).collect();
     let mut acts = QuantActs::default();
     quantize_acts(&x, tokens, cols, &mut acts);
     let expected = naive_matmul(&values, rows, cols, &x, tokens);
@@ -169,14 +154,14 @@ fn q80_matmul_matches_dequantized_reference_on_every_backend() {
 /// with an odd number of row groups.
 #[test]
 fn matmul_bits_do_not_depend_on_the_thread_count() {
-    let mut rng = Rng(31);
+    let mut rng = SplitMix64::new(31);
     let pools: Vec<Workers> = [1, 2, 3].into_iter().map(Workers::new).collect();
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         for (rows, cols, tokens) in [(136, 64, 1), (200, 96, 5), (24, 32, 16), (40, 64, 70)] {
             let (bytes, _) = random_weights(&mut rng, format, rows, cols);
             let mut matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
             matrix.add_vnni_layout();
-            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+            let x: Vec<f32> = (0..tokens * cols).map(|_| rng.signed_f32()).collect();
             let mut acts = QuantActs::default();
             quantize_acts(&x, tokens, cols, &mut acts);
             for backend in Backend::available() {
@@ -213,7 +198,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
         return;
     }
     let workers = Workers::new(2);
-    let mut rng = Rng(21);
+    let mut rng = SplitMix64::new(21);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         for (rows, cols, tokens) in [
             (8, 32, 1),
@@ -234,7 +219,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
                 WeightFormat::Q8_0 => first_block[2..].fill(0x80),
             }
             let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
-            let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32()).collect();
+            let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.signed_f32()).collect();
             // Token 0's first block quantizes to ±127 everywhere.
             for (i, v) in x[..32].iter_mut().enumerate() {
                 *v = if i % 3 == 0 { -1.0 } else { 1.0 };
@@ -268,7 +253,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
 /// The VNNI copy is made once, counted in `bytes`, and left out where it would not be used.
 #[test]
 fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
-    let mut rng = Rng(22);
+    let mut rng = SplitMix64::new(22);
     let vnni = Backend::available().contains(&Backend::Avx512Vnni);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let bytes = random_weights(&mut rng, format, 40, 64).0;
@@ -286,7 +271,7 @@ fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
 
 #[test]
 fn dequantize_row_recovers_every_row() {
-    let mut rng = Rng(7);
+    let mut rng = SplitMix64::new(7);
     for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
         let (rows, cols) = (24, 64);
         let (bytes, values) = random_weights(&mut rng, format, rows, cols);
@@ -305,7 +290,7 @@ fn dequantize_row_recovers_every_row() {
 
 #[test]
 fn concat_rows_stacks_matrices() {
-    let mut rng = Rng(8);
+    let mut rng = SplitMix64::new(8);
     let (a_bytes, a_vals) = random_q41(&mut rng, 16, 64);
     let (b_bytes, b_vals) = random_q41(&mut rng, 8, 64);
     let a = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 16, 64, &a_bytes).unwrap();
@@ -327,7 +312,7 @@ fn concat_rows_stacks_matrices() {
 
 #[test]
 fn concat_rows_refuses_mixed_formats() {
-    let mut rng = Rng(9);
+    let mut rng = SplitMix64::new(9);
     let (q41_bytes, _) = random_q41(&mut rng, 8, 64);
     let (q80_bytes, _) = random_q80(&mut rng, 8, 64);
     let q41 = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, 8, 64, &q41_bytes).unwrap();
@@ -342,7 +327,7 @@ fn concat_rows_refuses_mixed_formats() {
 /// same, and matrices too small for a huge page alone end up in one buffer that is advised.
 #[test]
 fn share_buffers_keeps_every_matrix_and_advises_the_shared_buffer() {
-    let mut rng = Rng(10);
+    let mut rng = SplitMix64::new(10);
     // Eight 553 KB Q4_1 matrices (none advised alone, 4.4 MB together) and two Q8_0 ones.
     let shapes = [(WeightFormat::Q4_1, 1536, 576); 8]
         .into_iter()
@@ -405,8 +390,8 @@ fn bad_shapes_and_lengths_are_errors() {
 
 #[test]
 fn quantized_activations_round_trip_within_half_a_step() {
-    let mut rng = Rng(9);
-    let x: Vec<f32> = (0..128).map(|_| rng.f32() * 3.0).collect();
+    let mut rng = SplitMix64::new(9);
+    let x: Vec<f32> = (0..128).map(|_| rng.signed_f32() * 3.0).collect();
     let mut acts = QuantActs::default();
     quantize_acts(&x, 2, 64, &mut acts);
     for (row, chunk) in x.chunks(64).enumerate() {
@@ -423,8 +408,8 @@ fn quantized_activations_round_trip_within_half_a_step() {
 
 #[test]
 fn simd_activation_quantization_equals_the_portable_one() {
-    let mut rng = Rng(22);
-    let mut x: Vec<f32> = (0..64 * 32).map(|_| rng.f32() * 4.0).collect();
+    let mut rng = SplitMix64::new(22);
+    let mut x: Vec<f32> = (0..64 * 32).map(|_| rng.signed_f32() * 4.0).collect();
     // A zero block, a block of exact halves (ties round to even), one huge and one tiny value.
     x[32..64].fill(0.0);
     for (i, v) in x[64..96].iter_mut().enumerate() {
@@ -449,13 +434,13 @@ fn simd_activation_quantization_equals_the_portable_one() {
 
 #[test]
 fn attention_scores_and_mix_agree_with_plain_arithmetic_on_every_backend() {
-    let mut rng = Rng(10);
+    let mut rng = SplitMix64::new(10);
     for (width, count) in [(8, 5), (64, 5), (64, 16), (67, 3), (16, 9)] {
-        let q: Vec<f32> = (0..width).map(|_| rng.f32()).collect();
+        let q: Vec<f32> = (0..width).map(|_| rng.signed_f32()).collect();
         let keys: Vec<f16> = (0..width * count)
-            .map(|_| f16::from_f32(rng.f32()))
+            .map(|_| f16::from_f32(rng.signed_f32()))
             .collect();
-        let weights: Vec<f32> = (0..count).map(|_| rng.f32().abs()).collect();
+        let weights: Vec<f32> = (0..count).map(|_| rng.signed_f32().abs()).collect();
         for backend in Backend::available() {
             let mut scores = vec![0f32; count];
             attention_scores_f16(backend, &q, &keys, 0.5, &mut scores);
@@ -510,14 +495,14 @@ fn rms_norm_and_softmax_basics() {
 /// of rows up to two groups of four and more, at the model's width and an odd one.
 #[test]
 fn rms_norm_of_rows_side_by_side_equals_each_row_alone_bit_for_bit() {
-    let mut rng = Rng(23);
+    let mut rng = SplitMix64::new(23);
     for width in [7, 576] {
-        let weight: Vec<f32> = (0..width).map(|_| rng.f32() * 2.0).collect();
+        let weight: Vec<f32> = (0..width).map(|_| rng.signed_f32() * 2.0).collect();
         for rows in 1..=9 {
             // Magnitudes from 1e-3 to 1e3: rows' norms differ widely, so a row normed with
             // another row's sum shows.
             let x: Vec<f32> = (0..rows * width)
-                .map(|i| rng.f32() * 10f32.powi((i % 7) as i32 - 3))
+                .map(|i| rng.signed_f32() * 10f32.powi((i % 7) as i32 - 3))
                 .collect();
             let mut together = vec![0f32; x.len()];
             rms_norm_rows(&x, &weight, 1e-5, &mut together);
@@ -540,16 +525,16 @@ fn rms_norm_of_rows_side_by_side_equals_each_row_alone_bit_for_bit() {
 /// thresholds (|x| ≥ 88, ±∞) among ordinary ones.
 #[test]
 fn silu_and_softmax_bits_are_the_same_on_every_backend() {
-    let mut rng = Rng(17);
+    let mut rng = SplitMix64::new(17);
     let specials = [f32::INFINITY, f32::NEG_INFINITY, 95.0, -95.0, -104.0, 88.5];
     for len in (1..=40).chain([79, 80, 81, 1536]) {
         let values: Vec<f32> = (0..len)
             .map(|i| match i % 11 {
                 3 => specials[(i / 11) % specials.len()],
-                _ => rng.f32() * 20.0,
+                _ => rng.signed_f32() * 20.0,
             })
             .collect();
-        let up: Vec<f32> = (0..len).map(|_| rng.f32() * 2.0).collect();
+        let up: Vec<f32> = (0..len).map(|_| rng.signed_f32() * 2.0).collect();
         let finite: Vec<f32> = values.iter().map(|v| v.clamp(-30.0, 30.0)).collect();
         let run = |backend| {
             let mut silu = values.clone();
@@ -617,10 +602,10 @@ fn ggml_exact_q41_simd_equals_portable() {
         return;
     }
     let (rows, cols, tokens) = (16, 256, 5);
-    let mut rng = Rng(77);
+    let mut rng = SplitMix64::new(77);
     let (bytes, _) = random_q41(&mut rng, rows, cols);
     let matrix = QuantMatrix::from_gguf_bytes(WeightFormat::Q4_1, rows, cols, &bytes).unwrap();
-    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f32() * 3.0).collect();
+    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.signed_f32() * 3.0).collect();
     let mut acts = QuantActs::default();
     quantize_acts(&x, tokens, cols, &mut acts);
     let blocks = matrix.q41_blocks().expect("a Q4_1 matrix");
@@ -646,11 +631,16 @@ fn ggml_exact_q41_simd_equals_portable() {
 
 /// K/V pages for `len` positions of one head (`page_size` slots each), random; the slots past
 /// `len` hold NaN, so a kernel that read one would give NaN.
-fn random_pages(rng: &mut Rng, len: usize, page_size: usize, head_dim: usize) -> Vec<Vec<f16>> {
+fn random_pages(
+    rng: &mut SplitMix64,
+    len: usize,
+    page_size: usize,
+    head_dim: usize,
+) -> Vec<Vec<f16>> {
     let mut pages: Vec<Vec<f16>> = (0..len.div_ceil(page_size))
         .map(|_| {
             (0..page_size * head_dim)
-                .map(|_| f16::from_f32(rng.f32() * 2.0))
+                .map(|_| f16::from_f32(rng.signed_f32() * 2.0))
                 .collect()
         })
         .collect();
@@ -667,7 +657,7 @@ fn random_pages(rng: &mut Rng, len: usize, page_size: usize, head_dim: usize) ->
 /// is not whole registers (the per-head fallback).
 #[test]
 fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
-    let mut rng = Rng(33);
+    let mut rng = SplitMix64::new(33);
     for (head_dim, heads, page_size, len) in [
         (64, 3, 16, 1),
         (64, 3, 16, 16),
@@ -690,7 +680,9 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
             len,
             scale: 0.125,
         };
-        let queries: Vec<f32> = (0..heads * head_dim).map(|_| rng.f32() * 4.0).collect();
+        let queries: Vec<f32> = (0..heads * head_dim)
+            .map(|_| rng.signed_f32() * 4.0)
+            .collect();
         let run_all = |backend| {
             let mut out = vec![0f32; queries.len()];
             attention.run(backend, &queries, &mut out);

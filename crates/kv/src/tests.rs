@@ -1,4 +1,5 @@
 use half::f16;
+use stats::SplitMix64;
 
 use crate::{
     Error, Generation, KvKind, KvLayout, Owner, PageId, PagePool, PageState, PageTable, PoolConfig,
@@ -545,29 +546,6 @@ fn pool_debug_shows_no_kv_bytes() {
     assert!(!view_text.contains("1234"), "{view_text}");
 }
 
-/// xorshift64: deterministic, no dependencies; good enough to pick operations.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        // xorshift never leaves zero, so force a nonzero state.
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-
-    fn below(&mut self, bound: usize) -> usize {
-        (self.next() % bound as u64) as usize
-    }
-}
-
 /// A live request in the random test: its table and the value it wrote into all its pages.
 struct Live {
     table: PageTable,
@@ -575,7 +553,7 @@ struct Live {
 }
 
 struct RandomRun {
-    rng: Rng,
+    rng: SplitMix64,
     pool: PagePool,
     live: Vec<Live>,
     /// Tables that were released: every later use must fail.
@@ -601,7 +579,7 @@ fn random_operations_keep_invariants_and_leak_nothing() {
 
 impl RandomRun {
     fn new(seed: u64) -> RandomRun {
-        let mut rng = Rng::new(seed);
+        let mut rng = SplitMix64::new(seed);
         let layout = KvLayout {
             layer_count: 1 + rng.below(2),
             kv_head_count: 1 + rng.below(2),

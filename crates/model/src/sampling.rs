@@ -26,13 +26,13 @@ impl SamplingParams {
 /// A sampler with its own random stream.
 pub struct Sampler {
     params: SamplingParams,
-    state: u64,
+    rng: stats::SplitMix64,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
-        let state = params.seed;
-        Sampler { params, state }
+        let rng = stats::SplitMix64::new(params.seed);
+        Sampler { params, rng }
     }
 
     /// Picks the next token from `logits`.
@@ -80,7 +80,7 @@ impl Sampler {
             probs.truncate(keep);
         }
         let kept: f64 = probs.iter().sum();
-        let mut target = self.next_unit() * kept;
+        let mut target = self.rng.unit() * kept;
         for (candidate, p) in candidates.iter().zip(&probs) {
             target -= p;
             if target < 0.0 {
@@ -88,16 +88,6 @@ impl Sampler {
             }
         }
         candidates[probs.len() - 1].0
-    }
-
-    /// A uniform draw in [0, 1) (SplitMix64).
-    fn next_unit(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -60,6 +60,9 @@ pub const CONNECTIONS_MAX_DEFAULT_CAP: u64 = 4096;
 /// Most bytes hyper buffers per connection while it reads a request head. Above the URI
 /// (64 KiB, 414) and header (16 KiB, 431) limits, so those keep their own answers.
 pub const CONNECTION_BUFFER_BYTES_MAX: usize = 128 << 10;
+// A request whose headers are under the router's own cap must never be cut off by hyper's
+// buffer cap first: the caller gets the clear 431, not a dropped connection.
+const _: () = assert!(crate::server::HEADER_BYTES_MAX < CONNECTION_BUFFER_BYTES_MAX);
 
 /// Refusals answered at once beyond the cap (each holds its socket for up to
 /// `REFUSAL_LINGER`); past this many, a refused connection is closed without an answer.

@@ -31,6 +31,17 @@ pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 pub const MAX_STRING_BYTES: usize = 64 << 10;
 pub const MAX_STOP_STRINGS: usize = 16;
 
+// The caps must leave every frame a legitimate peer sends inside one frame: a prompt at its
+// cap (4 bytes a token) with every stop string at its cap, and a handshake frame.
+const _: () = assert!(
+    MAX_PROMPT_TOKENS * 4 + MAX_STOP_STRINGS * (MAX_STRING_BYTES + 4) + 1024 <= MAX_FRAME_BYTES
+);
+const _: () = assert!(crate::handshake::HANDSHAKE_FRAME_BYTES_MAX <= MAX_FRAME_BYTES);
+// A page of the default model's layout (30 layers × 3 KV heads × 64 dims × K and V × f16 ×
+// 16 tokens = 360 KiB) fits with room for pages 32 times larger.
+const _: () =
+    assert!(32 * (30 * 3 * 64 * 2 * 2 * 16) + PAGE_FRAME_OVERHEAD_BYTES_MAX <= MAX_FRAME_BYTES);
+
 const MAGIC: [u8; 2] = *b"AL";
 
 /// Names one transfer of one request's pages from a prefill worker to a decode worker.
@@ -39,16 +50,16 @@ const MAGIC: [u8; 2] = *b"AL";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TransferId(pub u64);
 
-/// A fieldless enum sent as one byte, its declaration order, with `ALL`, every variant in that
-/// order: the one list both directions of the encoding use, so no variant can be sent that the
-/// decoder does not know.
+/// A fieldless enum sent as one byte (its declaration order, or the values given), with `ALL`,
+/// every variant in that order: the one list both directions of the encoding use, so no
+/// variant can be sent that the decoder does not know.
 macro_rules! wire_enum {
     ($(#[$meta:meta])* $vis:vis enum $name:ident {
-        $($(#[$variant_meta:meta])* $variant:ident,)+
+        $($(#[$variant_meta:meta])* $variant:ident $(= $value:literal)?,)+
     }) => {
         $(#[$meta])*
         $vis enum $name {
-            $($(#[$variant_meta])* $variant,)+
+            $($(#[$variant_meta])* $variant $(= $value)?,)+
         }
 
         impl $name {
@@ -209,6 +220,34 @@ pub struct TransferDone {
     pub checksum: u64,
 }
 
+wire_enum! {
+    /// Which frame a body holds: its first byte after the header. `Frame::kind` and the decoder
+    /// both match on this one list, exhaustively, so a frame cannot be added without its byte
+    /// or decoded without its fields. Values are fixed by the protocol: never renumber.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[repr(u8)]
+    pub enum FrameKind {
+        Connect = 1,
+        Hello = 2,
+        Submit = 3,
+        Abort = 4,
+        Admitted = 5,
+        Started = 6,
+        Text = 7,
+        Finished = 8,
+        Failed = 9,
+        PoolStats = 10,
+        Page = 11,
+        Done = 12,
+        TransferAbort = 13,
+        Ack = 14,
+        Nack = 15,
+        AbortAck = 16,
+        Challenge = 17,
+        Proof = 18,
+    }
+}
+
 /// One message on a link.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Frame {
@@ -345,7 +384,7 @@ impl Frame {
         w.u32(0);
         w.bytes(&MAGIC);
         w.u16(PROTOCOL_VERSION);
-        w.u8(self.kind());
+        w.u8(self.kind() as u8);
         self.encode_fields(&mut w);
         let body_len = (w.0.len() - 4) as u32;
         w.0[..4].copy_from_slice(&body_len.to_le_bytes());
@@ -393,6 +432,8 @@ impl Frame {
             return Err(DecodeError::Version { found: version });
         }
         let kind = r.u8()?;
+        let kind =
+            FrameKind::from_wire(kind, "kind").map_err(|_| DecodeError::UnknownKind { kind })?;
         let frame = Frame::decode_fields(kind, &mut r)?;
         if r.offset != body.len() {
             return Err(DecodeError::TrailingBytes {
@@ -402,26 +443,27 @@ impl Frame {
         Ok((frame, r.page_range))
     }
 
-    fn kind(&self) -> u8 {
+    /// Which kind of frame this is.
+    pub fn kind(&self) -> FrameKind {
         match self {
-            Frame::Connect { .. } => 1,
-            Frame::Hello(_) => 2,
-            Frame::Submit(_) => 3,
-            Frame::Abort { .. } => 4,
-            Frame::Admitted { .. } => 5,
-            Frame::Started { .. } => 6,
-            Frame::Text { .. } => 7,
-            Frame::Finished { .. } => 8,
-            Frame::Failed { .. } => 9,
-            Frame::PoolStats { .. } => 10,
-            Frame::Page { .. } => 11,
-            Frame::Done(_) => 12,
-            Frame::TransferAbort { .. } => 13,
-            Frame::Ack { .. } => 14,
-            Frame::Nack { .. } => 15,
-            Frame::AbortAck { .. } => 16,
-            Frame::Challenge { .. } => 17,
-            Frame::Proof { .. } => 18,
+            Frame::Connect { .. } => FrameKind::Connect,
+            Frame::Hello(_) => FrameKind::Hello,
+            Frame::Submit(_) => FrameKind::Submit,
+            Frame::Abort { .. } => FrameKind::Abort,
+            Frame::Admitted { .. } => FrameKind::Admitted,
+            Frame::Started { .. } => FrameKind::Started,
+            Frame::Text { .. } => FrameKind::Text,
+            Frame::Finished { .. } => FrameKind::Finished,
+            Frame::Failed { .. } => FrameKind::Failed,
+            Frame::PoolStats { .. } => FrameKind::PoolStats,
+            Frame::Page { .. } => FrameKind::Page,
+            Frame::Done(_) => FrameKind::Done,
+            Frame::TransferAbort { .. } => FrameKind::TransferAbort,
+            Frame::Ack { .. } => FrameKind::Ack,
+            Frame::Nack { .. } => FrameKind::Nack,
+            Frame::AbortAck { .. } => FrameKind::AbortAck,
+            Frame::Challenge { .. } => FrameKind::Challenge,
+            Frame::Proof { .. } => FrameKind::Proof,
         }
     }
 
@@ -533,15 +575,15 @@ impl Frame {
         }
     }
 
-    fn decode_fields(kind: u8, r: &mut Reader) -> Result<Frame, DecodeError> {
+    fn decode_fields(kind: FrameKind, r: &mut Reader) -> Result<Frame, DecodeError> {
         let frame = match kind {
-            1 => Frame::Connect {
+            FrameKind::Connect => Frame::Connect {
                 peer: PeerRole::from_wire(r.u8()?, "peer")?,
                 nonce: r.array()?,
             },
-            17 => Frame::Challenge { nonce: r.array()? },
-            18 => Frame::Proof { proof: r.array()? },
-            2 => Frame::Hello(WorkerInfo {
+            FrameKind::Challenge => Frame::Challenge { nonce: r.array()? },
+            FrameKind::Proof => Frame::Proof { proof: r.array()? },
+            FrameKind::Hello => Frame::Hello(WorkerInfo {
                 role: Role::from_wire(r.u8()?, "role")?,
                 name: r.string("name")?,
                 model_id: r.string("model_id")?,
@@ -557,33 +599,33 @@ impl Frame {
                 kv_bytes: r.u64()?,
                 epoch: r.u64()?,
             }),
-            3 => Frame::Submit(decode_submit(r)?),
-            4 => Frame::Abort {
+            FrameKind::Submit => Frame::Submit(decode_submit(r)?),
+            FrameKind::Abort => Frame::Abort {
                 request: RequestId(r.u64()?),
             },
-            5 => Frame::Admitted {
+            FrameKind::Admitted => Frame::Admitted {
                 request: RequestId(r.u64()?),
             },
-            6 => Frame::Started {
+            FrameKind::Started => Frame::Started {
                 request: RequestId(r.u64()?),
             },
-            7 => Frame::Text {
+            FrameKind::Text => Frame::Text {
                 request: RequestId(r.u64()?),
                 text: r.string("text")?,
                 token_count: r.u32()?,
             },
-            8 => Frame::Finished {
+            FrameKind::Finished => Frame::Finished {
                 request: RequestId(r.u64()?),
                 finish: Finish::from_wire(r.u8()?, "finish")?,
                 prompt_tokens: r.u32()?,
                 completion_tokens: r.u32()?,
             },
-            9 => Frame::Failed {
+            FrameKind::Failed => Frame::Failed {
                 request: RequestId(r.u64()?),
                 failure: Failure::from_wire(r.u8()?, "failure")?,
                 message: r.string("message")?,
             },
-            10 => Frame::PoolStats {
+            FrameKind::PoolStats => Frame::PoolStats {
                 pages_free: r.u32()?,
                 pages_total: r.u32()?,
                 pages_quarantined: r.u32()?,
@@ -592,7 +634,7 @@ impl Frame {
                 frames_rejected: r.u64()?,
                 auth_failures: r.u64()?,
             },
-            11 => {
+            FrameKind::Page => {
                 let transfer = TransferId(r.u64()?);
                 let request = RequestId(r.u64()?);
                 let tenant = TenantId(r.u64()?);
@@ -607,7 +649,7 @@ impl Frame {
                     bytes,
                 }
             }
-            12 => Frame::Done(TransferDone {
+            FrameKind::Done => Frame::Done(TransferDone {
                 transfer: TransferId(r.u64()?),
                 request: RequestId(r.u64()?),
                 tenant: TenantId(r.u64()?),
@@ -615,21 +657,20 @@ impl Frame {
                 token_count: r.u32()?,
                 checksum: r.u64()?,
             }),
-            13 => Frame::TransferAbort {
+            FrameKind::TransferAbort => Frame::TransferAbort {
                 transfer: TransferId(r.u64()?),
                 request: RequestId(r.u64()?),
             },
-            14 => Frame::Ack {
+            FrameKind::Ack => Frame::Ack {
                 transfer: TransferId(r.u64()?),
             },
-            15 => Frame::Nack {
+            FrameKind::Nack => Frame::Nack {
                 transfer: TransferId(r.u64()?),
                 reject: Reject::from_wire(r.u8()?, "reject")?,
             },
-            16 => Frame::AbortAck {
+            FrameKind::AbortAck => Frame::AbortAck {
                 transfer: TransferId(r.u64()?),
             },
-            kind => return Err(DecodeError::UnknownKind { kind }),
         };
         Ok(frame)
     }

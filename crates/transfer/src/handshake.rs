@@ -12,7 +12,7 @@ use std::time::Duration;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Largest handshake frame: nobody gets to make us allocate before proving the secret.
-const HANDSHAKE_FRAME_BYTES_MAX: usize = 16 << 10;
+pub(crate) const HANDSHAKE_FRAME_BYTES_MAX: usize = 16 << 10;
 
 /// Why a link was refused at its start.
 #[derive(Debug, thiserror::Error)]

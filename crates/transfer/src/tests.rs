@@ -131,7 +131,19 @@ fn sample_frames() -> Vec<Frame> {
 
 #[test]
 fn every_frame_kind_round_trips() {
-    for frame in sample_frames() {
+    let frames = sample_frames();
+    for kind in FrameKind::ALL {
+        assert!(
+            frames.iter().any(|frame| frame.kind() == *kind),
+            "no sample frame of kind {kind:?}: add one to sample_frames"
+        );
+    }
+    for frame in frames {
+        assert_eq!(
+            frame.encode()[4],
+            frame.kind() as u8,
+            "the kind byte follows the header"
+        );
         let body = frame.encode();
         assert_eq!(
             frame.encode_prefixed()[4..],

@@ -202,7 +202,7 @@ mod imp {
     #[derive(Clone, Debug, Default)]
     pub struct FaultPlan {
         rules: Vec<Rule>,
-        rng: u64,
+        rng: stats::SplitMix64,
     }
 
     impl FaultPlan {
@@ -238,7 +238,7 @@ mod imp {
         ) -> Result<FaultPlan, FaultPlanError> {
             let mut plan = FaultPlan {
                 rules: Vec::new(),
-                rng: seed.max(1),
+                rng: stats::SplitMix64::new(seed),
             };
             for item in spec.split(';').map(str::trim).filter(|s| !s.is_empty()) {
                 let (only, rule) = match item.split_once(':') {
@@ -265,9 +265,6 @@ mod imp {
                 when,
                 seen: 0,
             });
-            if self.rng == 0 {
-                self.rng = 1;
-            }
             self
         }
 
@@ -294,23 +291,13 @@ mod imp {
                 let hit = match when {
                     When::Always => true,
                     When::Nth(n) => occurrence == n,
-                    When::Chance(percent) => self.next_unit() * 100.0 < percent,
+                    When::Chance(percent) => self.rng.unit() * 100.0 < percent,
                 };
                 if hit && fired.is_none() {
                     fired = Some(fault);
                 }
             }
             fired
-        }
-
-        /// xorshift64*: deterministic per seed, good enough to pick faults.
-        fn next_unit(&mut self) -> f64 {
-            let mut x = self.rng;
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            self.rng = x;
-            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
         }
 
         /// Whether the worker checks that requests (and, at start-up, one context) fit its pool.

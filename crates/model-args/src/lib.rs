@@ -1,8 +1,13 @@
-//! Where the model file is: `--model` flag, else `AIRLOCK_MODEL`, else the default location.
+//! The model flags every subcommand that loads or starts a model shares (`serve`, `generate`,
+//! `bench`, `canary --spawn`, …): which GGUF file (`--model`, else `AIRLOCK_MODEL`, else the
+//! default location), how many threads, which kernels.
 
 use anyhow::{bail, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
+
+/// The model id a server announces unless told otherwise (`--model-name`).
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 
 /// The file name `scripts/fetch-model.sh` installs.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -88,22 +88,12 @@ impl Sweeps {
 
 // ---- prompts of a known token count ----------------------------------------------------------
 
-const WORDS: &[&str] = &[
+pub(crate) const WORDS: &[&str] = &[
     "river", "mountain", "engine", "garden", "history", "signal", "copper", "market", "winter",
     "lantern", "harbor", "theory", "orchard", "circuit", "planet", "library", "teacher", "bridge",
     "storm", "village", "algebra", "violin", "desert", "factory", "forest", "window", "morning",
     "paper", "island", "stone", "music", "letter", "summer", "castle", "silver", "field",
 ];
-
-fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    }
-}
 
 /// A prompt of exactly `tokens` tokens under `count` (the tokenizer's encode without BOS, as
 /// the router's completions endpoint counts), made of seeded random words from its very first
@@ -114,13 +104,13 @@ pub fn prompt_of_tokens(
     tokens: usize,
     seed: u64,
 ) -> (String, usize) {
-    let mut next = xorshift(seed);
+    let mut rng = stats::SplitMix64::new(seed);
     let mut words: Vec<&str> = Vec::new();
     let mut text = String::new();
     // Grow past the target, then binary-search the longest word prefix that fits.
     while count(&text) < tokens {
         for _ in 0..tokens.max(8) / 2 {
-            words.push(WORDS[(next() as usize) % WORDS.len()]);
+            words.push(WORDS[rng.below(WORDS.len())]);
         }
         text = words.join(" ");
     }
@@ -202,7 +192,7 @@ pub fn parse_pool_gauges(text: &str) -> Vec<(String, f64, f64)> {
 }
 
 /// The value of `key="..."` in a Prometheus label set (escapes `\\`, `\"`, `\n` undone).
-fn label(labels: &str, key: &str) -> Option<String> {
+pub(crate) fn label(labels: &str, key: &str) -> Option<String> {
     let start = labels.find(&format!("{key}=\""))? + key.len() + 2;
     let mut value = String::new();
     let mut chars = labels[start..].chars();
@@ -324,10 +314,10 @@ pub struct TransferReport {
 }
 
 /// What the receiving thread is told to expect.
-struct Expect {
-    transfer: TransferId,
-    owner: Owner,
-    tokens: usize,
+pub(crate) struct Expect {
+    pub(crate) transfer: TransferId,
+    pub(crate) owner: Owner,
+    pub(crate) tokens: usize,
 }
 
 /// Sends `tokens[i]` tokens of KV (layout of the model, `page_size` tokens per page) from one
@@ -525,8 +515,8 @@ pub fn transfer_sweep(
             tokens: count,
             pages,
             bytes: pages * page_bytes,
-            seconds: median(&mut totals),
-            pack_seconds: median(&mut packs),
+            seconds: stats::median(&totals),
+            pack_seconds: stats::median(&packs),
         };
         eprintln!(
             "  transfer {count} tokens ({:.1} MB): {:.2} ms, {:.2} GB/s",
@@ -555,20 +545,6 @@ pub fn transfer_sweep(
         memcpy_gb_s,
         xxh3_gb_s,
     })
-}
-
-/// Median (sorts in place); NaN when empty.
-pub fn median(values: &mut [f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 {
-        values[mid]
-    } else {
-        (values[mid - 1] + values[mid]) / 2.0
-    }
 }
 
 #[cfg(test)]
@@ -661,12 +637,5 @@ mod tests {
         assert_eq!(report.points[1].bytes, 3 * layout.page_bytes());
         assert!(report.points.iter().all(|p| p.seconds > 0.0));
         assert!(report.memcpy_gb_s > 0.0 && report.xxh3_gb_s > 0.0);
-    }
-
-    #[test]
-    fn median_of_even_and_odd() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
-        assert!(median(&mut []).is_nan());
     }
 }

@@ -85,7 +85,7 @@ pub enum Legend {
 }
 
 impl Legend {
-    fn position(self) -> SeriesLabelPosition {
+    pub(crate) fn position(self) -> SeriesLabelPosition {
         match self {
             Legend::UpperLeft => SeriesLabelPosition::UpperLeft,
             Legend::MiddleLeft => SeriesLabelPosition::MiddleLeft,
@@ -125,7 +125,7 @@ pub fn register_font() -> Result<()> {
 }
 
 /// The colour of a series, the same for a target's name in every chart.
-fn color_for(name: &str, index: usize) -> RGBColor {
+pub(crate) fn color_for(name: &str, index: usize) -> RGBColor {
     let fixed = [
         ("serve", RGBColor(31, 119, 180)),
         ("unified", RGBColor(44, 160, 44)),
@@ -150,14 +150,14 @@ fn color_for(name: &str, index: usize) -> RGBColor {
     OTHERS[index % OTHERS.len()]
 }
 
-fn to_axis(scale: Scale, value: f64) -> f64 {
+pub(crate) fn to_axis(scale: Scale, value: f64) -> f64 {
     match scale {
         Scale::Linear => value,
         Scale::Log => value.log10(),
     }
 }
 
-fn from_axis(scale: Scale, value: f64) -> f64 {
+pub(crate) fn from_axis(scale: Scale, value: f64) -> f64 {
     match scale {
         Scale::Linear => value,
         Scale::Log => 10f64.powf(value),
@@ -233,7 +233,7 @@ pub fn axis_layout(axis: &Axis, values: &[f64]) -> (std::ops::Range<f64>, Vec<f6
 
 /// The distinct data values, thinned to at most 12, none closer than 4% of the axis (in
 /// `scale`'s units) to the one before, so labels never overlap.
-fn data_ticks(values: &[f64], scale: Scale) -> Vec<f64> {
+pub(crate) fn data_ticks(values: &[f64], scale: Scale) -> Vec<f64> {
     let mut ticks = values.to_vec();
     ticks.sort_by(f64::total_cmp);
     ticks.dedup();
@@ -254,7 +254,7 @@ fn data_ticks(values: &[f64], scale: Scale) -> Vec<f64> {
 }
 
 /// Round ticks (1, 2 or 5 × 10^k apart) over [low, high], 4 to 10 of them.
-fn nice_ticks(low: f64, high: f64) -> Vec<f64> {
+pub(crate) fn nice_ticks(low: f64, high: f64) -> Vec<f64> {
     let raw = (high - low) / 6.0;
     let magnitude = 10f64.powf(raw.log10().floor());
     let step = [1.0, 2.0, 5.0, 10.0]
@@ -268,7 +268,7 @@ fn nice_ticks(low: f64, high: f64) -> Vec<f64> {
 }
 
 /// 1, 2, 5 × 10^k within [low, high]; 1..9 × 10^k when the range is under a decade.
-fn log_ticks(low: f64, high: f64) -> Vec<f64> {
+pub(crate) fn log_ticks(low: f64, high: f64) -> Vec<f64> {
     let decades = (low.log10().floor() as i32)..=(high.log10().ceil() as i32);
     let pick = |mantissas: &[f64]| -> Vec<f64> {
         decades
@@ -286,9 +286,9 @@ fn log_ticks(low: f64, high: f64) -> Vec<f64> {
 }
 
 /// A linear f64 axis (in axis units) whose tick marks are exactly `ticks`.
-struct Ticked {
-    range: std::ops::Range<f64>,
-    ticks: Vec<f64>,
+pub(crate) struct Ticked {
+    pub(crate) range: std::ops::Range<f64>,
+    pub(crate) ticks: Vec<f64>,
 }
 
 impl Ranged for Ticked {

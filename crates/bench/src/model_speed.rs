@@ -2,10 +2,10 @@
 //! llama.cpp (through the `llama-cpp-python` package, same GGUF, same threads) measured in the
 //! same run when Python can import it. Prints medians and ratios; asserts nothing.
 
-use crate::model_path::ModelArgs;
 use anyhow::{Context, Result};
 use kv::{Owner, PagePool, PageTable, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{Model, SeqStep};
+use model_args::ModelArgs;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
@@ -19,20 +19,20 @@ pub struct Args {
         value_delimiter = ',',
         default_value = "1,2"
     )]
-    thread_counts: Vec<usize>,
+    pub(crate) thread_counts: Vec<usize>,
     /// Repetitions of each measurement (the median is reported)
     #[arg(long, env = "AIRLOCK_BENCH_MODEL_REPS", default_value_t = 5)]
-    reps: usize,
+    pub(crate) reps: usize,
     /// Prompt length for the prefill measurement
     #[arg(
         long,
         env = "AIRLOCK_BENCH_MODEL_PREFILL_TOKENS",
         default_value_t = 512
     )]
-    prefill_tokens: usize,
+    pub(crate) prefill_tokens: usize,
     /// Tokens generated per sequence in the decode measurements
     #[arg(long, env = "AIRLOCK_BENCH_MODEL_DECODE_TOKENS", default_value_t = 128)]
-    decode_tokens: usize,
+    pub(crate) decode_tokens: usize,
     /// Batch sizes for aggregate decode, comma separated
     #[arg(
         long,
@@ -40,21 +40,21 @@ pub struct Args {
         value_delimiter = ',',
         default_value = "1,4,16"
     )]
-    batches: Vec<usize>,
+    pub(crate) batches: Vec<usize>,
     /// Skip the llama.cpp peer measurement
     #[arg(long, env = "AIRLOCK_BENCH_MODEL_NO_PEER")]
-    no_peer: bool,
+    pub(crate) no_peer: bool,
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
 }
 
 /// Medians for one thread count.
-struct Figures {
-    threads: usize,
-    prefill_tok_s: f64,
-    decode_tok_s: Vec<(usize, f64)>,
+pub(crate) struct Figures {
+    pub(crate) threads: usize,
+    pub(crate) prefill_tok_s: f64,
+    pub(crate) decode_tok_s: Vec<(usize, f64)>,
     /// The median over rounds of the largest batch's aggregate over batch 1's in that round.
-    scaling: Option<f64>,
+    pub(crate) scaling: Option<f64>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -102,15 +102,15 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// A figure for the summary, or "-" where it was not measured (no peer, no batch 1).
-fn cell(value: Option<f64>, unit: &str, decimals: usize) -> String {
+pub(crate) fn cell(value: Option<f64>, unit: &str, decimals: usize) -> String {
     value.map_or_else(|| "-".to_string(), |v| format!("{v:.decimals$}{unit}"))
 }
 
-fn cores() -> usize {
+pub(crate) fn cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-fn print_figures(f: &Figures, peer: Option<&Peer>) {
+pub(crate) fn print_figures(f: &Figures, peer: Option<&Peer>) {
     println!("\n== {} thread(s) ==", f.threads);
     println!("airlock   prefill: {:8.1} tok/s", f.prefill_tok_s);
     for (batch, tok_s) in &f.decode_tok_s {
@@ -139,7 +139,7 @@ fn print_figures(f: &Figures, peer: Option<&Peer>) {
     }
 }
 
-fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
+pub(crate) fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
     anyhow::ensure!(args.reps >= 1, "--reps must be at least 1");
     anyhow::ensure!(
         args.prefill_tokens >= 16,
@@ -216,17 +216,17 @@ fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figures> {
         .batches
         .iter()
         .zip(&mut samples)
-        .map(|(&batch, samples)| (batch, median(samples)))
+        .map(|(&batch, samples)| (batch, stats::median(samples)))
         .collect();
     Ok(Figures {
         threads,
-        prefill_tok_s: median(&mut prefill),
+        prefill_tok_s: stats::median(&prefill),
         decode_tok_s: decode,
         scaling,
     })
 }
 
-fn owner(request: u64) -> Owner {
+pub(crate) fn owner(request: u64) -> Owner {
     Owner {
         tenant: TenantId(0),
         request: RequestId(request),
@@ -234,7 +234,7 @@ fn owner(request: u64) -> Owner {
 }
 
 /// Aggregate tokens/s of `batch` sequences decoding `steps` tokens each in lockstep.
-fn decode_run(
+pub(crate) fn decode_run(
     model: &Model,
     pool: &mut PagePool,
     batch: usize,
@@ -278,24 +278,19 @@ fn decode_run(
 }
 
 /// The median over rounds of `big[r] / small[r]`.
-fn median_of_round_ratios(big: &[f64], small: &[f64]) -> f64 {
-    let mut ratios: Vec<f64> = big.iter().zip(small).map(|(b, s)| b / s).collect();
-    median(&mut ratios)
-}
-
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+pub(crate) fn median_of_round_ratios(big: &[f64], small: &[f64]) -> f64 {
+    let ratios: Vec<f64> = big.iter().zip(small).map(|(b, s)| b / s).collect();
+    stats::median(&ratios)
 }
 
 /// llama.cpp's figures from `scripts/bench/llamacpp_peer.py`.
-struct Peer {
-    engine: String,
-    prefill_tok_s: f64,
-    decode_tok_s: f64,
+pub(crate) struct Peer {
+    pub(crate) engine: String,
+    pub(crate) prefill_tok_s: f64,
+    pub(crate) decode_tok_s: f64,
 }
 
-fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
+pub(crate) fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench/llamacpp_peer.py");
     let output = Command::new("python3")
         .arg(&script)
