@@ -19,6 +19,7 @@ mod matrix;
 mod ops;
 mod quant;
 mod scalar;
+mod sync;
 mod vnni;
 mod workers;
 
@@ -52,5 +53,6 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
-#[cfg(test)]
+// Under `--cfg loom` only `tests/loom.rs` runs: these tests use the pool outside a loom model.
+#[cfg(all(test, not(loom)))]
 mod tests;

@@ -12,15 +12,23 @@
 //! after which no worker can still hold the job, and only then returns (the task borrows the
 //! caller's stack). All flags use SeqCst: the join (`active` up, then read `open`) and the close
 //! (`open` down, then read `active`) must not both miss each other.
+//!
+//! Every primitive here comes from `crate::sync`, so `tests/loom.rs` model-checks this
+//! protocol (`scripts/loom-mutant.sh` runs it, and shows it catches broken variants).
 
-use std::cell::UnsafeCell;
+use crate::sync::{
+    hint, park_idle, seq_cst_store_load, thread, Arc, AtomicBool, AtomicU64, AtomicUsize, Mutex,
+    UnsafeCell,
+};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering::SeqCst;
 
 /// Idle polls before a worker parks (a few hundred microseconds of spinning).
+#[cfg(not(loom))]
 const SPIN_LIMIT: u32 = 20_000;
+/// Each poll is a scheduling point to loom: spin once, then park, to keep the model small.
+#[cfg(loom)]
+const SPIN_LIMIT: u32 = 2;
 /// Polls before a waiting caller starts yielding its core to whoever holds the work.
 const CALLER_SPIN_LIMIT: u32 = 2_000;
 
@@ -53,7 +61,7 @@ unsafe impl Sync for Shared {}
 /// A fixed set of compute threads; `for_each` runs `tasks` closures across them.
 pub struct Workers {
     shared: Arc<Shared>,
-    handles: Vec<JoinHandle<()>>,
+    handles: Vec<thread::JoinHandle<()>>,
     /// One region at a time.
     region: Mutex<()>,
 }
@@ -77,7 +85,7 @@ impl Workers {
         let handles = (1..threads.max(1))
             .map(|i| {
                 let shared = Arc::clone(&shared);
-                std::thread::Builder::new()
+                thread::Builder::new()
                     .name(format!("airlock-compute-{i}"))
                     .spawn(move || worker_loop(&shared))
                     .expect("the OS can start a compute thread")
@@ -108,29 +116,59 @@ impl Workers {
         // SAFETY: the lifetime is erased only for the duration of this call: we return only
         // after closing the job and seeing `active == 0` (see the module comment).
         let task: Task<'static> = unsafe { std::mem::transmute::<Task<'_>, Task<'static>>(task) };
-        // SAFETY: the job is closed and no worker is active (the previous call waited).
-        unsafe {
-            *shared.job.get() = Job {
+        shared.job.with_mut(|job| {
+            let job_now = Job {
                 task: Some(task),
                 count: tasks,
-            }
-        };
+            };
+            // SAFETY: the job is closed and no worker is active (the previous call waited).
+            unsafe { *job = job_now }
+        });
         shared.next.store(0, SeqCst);
         shared.done.store(0, SeqCst);
         shared.open.store(true, SeqCst);
-        shared.epoch.fetch_add(1, SeqCst);
-        for handle in &self.handles {
-            handle.thread().unpark();
-        }
+        self.wake_workers();
         run_tasks(shared, task, tasks);
         wait_until(|| shared.done.load(SeqCst) >= tasks);
         shared.open.store(false, SeqCst);
+        seq_cst_store_load();
         wait_until(|| shared.active.load(SeqCst) == 0);
         // SAFETY: closed and no worker active: nobody reads the job now.
-        unsafe { (*shared.job.get()).task = None };
+        shared.job.with_mut(|job| unsafe { (*job).task = None });
         if shared.panicked.swap(false, SeqCst) {
             panic!("a compute task panicked");
         }
+    }
+
+    /// Bumps the epoch, which idle workers poll, then unparks those that stopped polling. In
+    /// the other order a worker could spend the unpark on a park, still see the old epoch and
+    /// park again: a lost wakeup.
+    fn wake_workers(&self) {
+        #[cfg(loom)]
+        if crate::sync::mutant("unpark_before_epoch") {
+            for handle in &self.handles {
+                handle.thread().unpark();
+            }
+            self.shared.epoch.fetch_add(1, SeqCst);
+            return;
+        }
+        self.shared.epoch.fetch_add(1, SeqCst);
+        for handle in &self.handles {
+            handle.thread().unpark();
+        }
+    }
+
+    /// Tells every worker to exit. A worker that sees the new epoch must see the shutdown too,
+    /// so the shutdown is stored first.
+    fn close(&self) {
+        #[cfg(loom)]
+        if crate::sync::mutant("shutdown_after_epoch") {
+            self.wake_workers();
+            self.shared.shutdown.store(true, SeqCst);
+            return;
+        }
+        self.shared.shutdown.store(true, SeqCst);
+        self.wake_workers();
     }
 
     /// Runs `task(i, &mut items[i])` for every item, spread over the threads: each task gets
@@ -182,9 +220,9 @@ fn wait_until(condition: impl Fn() -> bool) {
     while !condition() {
         polls += 1;
         if polls < CALLER_SPIN_LIMIT {
-            std::hint::spin_loop();
+            hint::spin_loop();
         } else {
-            std::thread::yield_now();
+            thread::yield_now();
         }
     }
 }
@@ -209,20 +247,22 @@ fn worker_loop(shared: &Shared) {
         while shared.epoch.load(SeqCst) == seen {
             idle += 1;
             if idle < SPIN_LIMIT {
-                std::hint::spin_loop();
+                hint::spin_loop();
             } else {
-                std::thread::park_timeout(std::time::Duration::from_millis(50));
+                park_idle();
             }
         }
         seen = shared.epoch.load(SeqCst);
         if shared.shutdown.load(SeqCst) {
             return;
         }
-        shared.active.fetch_add(1, SeqCst);
-        if shared.open.load(SeqCst) {
+        if join(shared) {
+            // Held until the tasks are done: loom counts it as a read of the job till then.
+            let job_ptr = shared.job.get();
             // SAFETY: we are counted in `active` and saw the job open, so the caller will not
-            // rewrite or drop the job until we leave (see the module comment).
-            let job = unsafe { &*shared.job.get() };
+            // rewrite or drop the job, nor return from `for_each` (ending the task's borrow),
+            // until we leave (see the module comment).
+            let job = unsafe { job_ptr.deref() };
             if let Some(task) = job.task {
                 run_tasks(shared, task, job.count);
             }
@@ -231,19 +271,31 @@ fn worker_loop(shared: &Shared) {
     }
 }
 
+/// Counts this worker in `active`, then reports whether the job is open; in this order, the
+/// closing caller sees the count or this worker sees the job closed (the module comment).
+fn join(shared: &Shared) -> bool {
+    #[cfg(loom)]
+    if crate::sync::mutant("open_before_active") {
+        let open = shared.open.load(SeqCst);
+        shared.active.fetch_add(1, SeqCst);
+        return open;
+    }
+    shared.active.fetch_add(1, SeqCst);
+    seq_cst_store_load();
+    shared.open.load(SeqCst)
+}
+
 impl Drop for Workers {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, SeqCst);
-        self.shared.epoch.fetch_add(1, SeqCst);
+        self.close();
         for handle in self.handles.drain(..) {
-            handle.thread().unpark();
             // A worker only exits through the loop's shutdown check; it cannot have panicked.
             let _ = handle.join();
         }
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
