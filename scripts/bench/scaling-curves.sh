@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Scaling curves and their charts (issue 7): serve, unified and llama.cpp's server (from
-# llama-cpp-python, same GGUF, same threads) started in turn, then the in-process KV transfer
+# Scaling curves and their charts (issue 7): serve, unified and llama.cpp's own llama-server
+# (built by scripts/bench/build-llama-server.sh; a parallel slot per request in flight, same
+# GGUF, same threads) started in turn, then the in-process KV transfer
 # beside memcpy bandwidth; writes docs/bench/*.png, docs/bench/bench.json and the tables
 # (docs/bench/report.md). BENCHMARKS.md shows the result.
 #

@@ -71,6 +71,25 @@ pub enum PageState {
     Quarantined,
 }
 
+impl PageState {
+    /// Whether `set_state` may move a page from `self` to `to`: the one transition table, which
+    /// the pool enforces and `spec`'s model of the pool checks with.
+    pub fn may_become(self, to: PageState) -> bool {
+        use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Writing};
+        match (self, to) {
+            // Free is entered only by release and left only by allocation, which keep the
+            // free list in step with the headers.
+            (Free, _) | (_, Free) => false,
+            (from, to) if from == to => true,
+            (Writing, Sealed | Receiving | Quarantined) => true,
+            (Sealed, Writing | Sending | Quarantined) => true,
+            (Sending, Sealed | Quarantined) => true,
+            (Receiving, Sealed | Quarantined) => true,
+            _ => false,
+        }
+    }
+}
+
 /// The tag every physical page carries. `owner` is `None` exactly when the page is `Free`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageHeader {

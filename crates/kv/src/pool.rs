@@ -270,7 +270,7 @@ impl PagePool {
         self.verify_tables(&[table], Access::Header)?;
         for &(page, _) in &table.pages {
             let from = self.headers[page.index()].state;
-            if !transition_allowed(from, state) {
+            if !from.may_become(state) {
                 return Err(Error::InvalidTransition {
                     page,
                     from,
@@ -602,20 +602,5 @@ impl fmt::Debug for PageView<'_> {
 impl PageId {
     fn index(self) -> usize {
         self.0 as usize
-    }
-}
-
-fn transition_allowed(from: PageState, to: PageState) -> bool {
-    use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Writing};
-    match (from, to) {
-        // Free is entered only by release and left only by allocation, which keep the free
-        // list in step with the headers.
-        (Free, _) | (_, Free) => false,
-        (from, to) if from == to => true,
-        (Writing, Sealed | Receiving | Quarantined) => true,
-        (Sealed, Writing | Sending | Quarantined) => true,
-        (Sending, Sealed | Quarantined) => true,
-        (Receiving, Sealed | Quarantined) => true,
-        _ => false,
     }
 }

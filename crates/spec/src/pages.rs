@@ -3,7 +3,8 @@
 //! `kv::PagePool` owns real KV storage and is neither `Clone` nor `Hash`, so the checker cannot
 //! keep one per state. This is a line-by-line copy of its header logic (allocation from a LIFO
 //! free list with a generation bump, the owner/generation/state check in table order and the
-//! duplicate check after it, verified release, the state-transition table) without the bytes.
+//! duplicate check after it, verified release) without the bytes; the state-transition table is
+//! not copied but `kv::PageState::may_become` itself.
 //! Owners are request numbers and generations are `u8`; everything else is the same, down to
 //! which page an allocation takes and which error a bad table gets.
 //!
@@ -137,7 +138,7 @@ impl Pool {
     ) -> Result<(), PoolError> {
         self.verify(&[(owner, table)], Access::Header, false)?;
         for &(page, _) in table {
-            if !transition_allowed(self.headers[page as usize].state, state) {
+            if !self.headers[page as usize].state.may_become(state) {
                 return Err(PoolError::InvalidTransition { page });
             }
         }
@@ -209,19 +210,5 @@ impl Pool {
                 && is_free == header.owner.is_none()
                 && (is_free || header.generation > 0)
         })
-    }
-}
-
-/// `kv`'s transition table, copied.
-fn transition_allowed(from: PageState, to: PageState) -> bool {
-    use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Writing};
-    match (from, to) {
-        (Free, _) | (_, Free) => false,
-        (from, to) if from == to => true,
-        (Writing, Sealed | Receiving | Quarantined) => true,
-        (Sealed, Writing | Sending | Quarantined) => true,
-        (Sending, Sealed | Quarantined) => true,
-        (Receiving, Sealed | Quarantined) => true,
-        _ => false,
     }
 }
