@@ -1,0 +1,197 @@
+//! How requests end other than by finishing: aborts, timeouts and lost links, all through
+//! [`Engine::end`], which reports once (I6) and releases the pages (I9); pages a receiver may
+//! still read stay held until it answers or its link is gone (I5, I7).
+
+use super::{failed, Engine, Key, LinkId, LinkKind, Phase, Stage};
+use kv::PageState;
+use std::time::Instant;
+use transfer::{Failure, Frame};
+
+impl Engine {
+    pub(super) fn abort(&mut self, key: Key) {
+        let Some(request) = self.requests.get_mut(&key) else {
+            return;
+        };
+        if let Phase::Admitted {
+            stage:
+                Stage::Sending {
+                    transfer,
+                    peer,
+                    abort_sent,
+                    ..
+                },
+            ..
+        } = &mut request.phase
+        {
+            // Pages stay until the receiver answers (I5).
+            if !*abort_sent {
+                *abort_sent = true;
+                let frame = Frame::TransferAbort {
+                    transfer: *transfer,
+                    request: key.1,
+                };
+                let peer = *peer;
+                self.send(peer, frame);
+            }
+            return;
+        }
+        self.end(
+            key,
+            Err((Failure::Aborted, "the request was cancelled".into())),
+        );
+    }
+
+    pub(super) fn expire(&mut self, now: Instant) {
+        let queue_timeout = self.config.queue_timeout;
+        let transfer_timeout = self.config.transfer_timeout;
+        let mut expired = Vec::new();
+        for (key, request) in &self.requests {
+            let stage = match &request.phase {
+                Phase::Queued => {
+                    if now - request.arrived > queue_timeout {
+                        expired.push((*key, Failure::QueueTimeout));
+                    }
+                    continue;
+                }
+                Phase::Admitted { stage, .. } => stage,
+            };
+            match stage {
+                // Until the first frame arrives, the prefill may still be queued for pages.
+                Stage::Receiving { since, sender, .. }
+                    if now - *since
+                        > match sender {
+                            None => queue_timeout + transfer_timeout,
+                            Some(_) => transfer_timeout,
+                        } =>
+                {
+                    expired.push((*key, Failure::TransferTimeout))
+                }
+                Stage::Sending {
+                    since,
+                    quarantined: false,
+                    ..
+                } if now - *since > transfer_timeout => {
+                    expired.push((*key, Failure::TransferTimeout))
+                }
+                _ => {}
+            }
+        }
+        for (key, failure) in expired {
+            let waited = match failure {
+                Failure::QueueTimeout => queue_timeout,
+                _ => transfer_timeout,
+            };
+            let message = format!("{failure:?} after {waited:?}; retry later");
+            if let Some(Phase::Admitted {
+                table,
+                stage: Stage::Sending { quarantined, .. },
+            }) = self.requests.get_mut(&key).map(|r| &mut r.phase)
+            {
+                // The receiver may still be reading what we sent: the pages are neither freed
+                // nor readable until it answers or its link is gone.
+                *quarantined = true;
+                self.pool
+                    .set_state(table, PageState::Quarantined)
+                    .expect("Sending -> Quarantined");
+                self.report(key, Err((failure, message)));
+                continue;
+            }
+            self.end(key, Err((failure, message)));
+        }
+    }
+
+    pub(super) fn link_down(&mut self, link: LinkId) {
+        let Some(entry) = self.links.remove(&link) else {
+            return;
+        };
+        let affected: Vec<Key> = self
+            .requests
+            .iter()
+            .filter(|(key, request)| match entry.kind {
+                LinkKind::Router => key.0 == link,
+                LinkKind::DecodePeer => request.peer == Some(link),
+                LinkKind::PrefillPeer => matches!(
+                    request.phase,
+                    Phase::Admitted {
+                        stage: Stage::Receiving { sender: Some(s), .. },
+                        ..
+                    } if s == link
+                ),
+            })
+            .map(|(key, _)| *key)
+            .collect();
+        for key in affected {
+            let sending = self.requests.get(&key).is_some_and(|request| {
+                matches!(
+                    request.phase,
+                    Phase::Admitted {
+                        stage: Stage::Sending { .. },
+                        ..
+                    }
+                )
+            });
+            if entry.kind == LinkKind::Router && sending {
+                // The decode side may still be reading what we sent: abort through the
+                // protocol and keep the pages until it answers (I5).
+                self.abort(key);
+                continue;
+            }
+            let message = match entry.kind {
+                LinkKind::Router => "the router went away",
+                LinkKind::DecodePeer => "the link to the decode worker was lost",
+                LinkKind::PrefillPeer => "the link to the prefill worker was lost",
+            };
+            let failure = match entry.kind {
+                LinkKind::Router => Failure::Aborted,
+                _ => Failure::PeerUnavailable,
+            };
+            // A lost link can no longer touch our pages: nothing arrives from it any more and
+            // nothing it held of ours is read again, so release is safe (I5).
+            self.end(key, Err((failure, message.to_string())));
+        }
+    }
+
+    /// Ends a request: tells the router (once), releases its pages, forgets it.
+    pub(super) fn end(&mut self, key: Key, outcome: Result<Frame, (Failure, String)>) {
+        self.report(key, outcome);
+        let Some(request) = self.requests.remove(&key) else {
+            return;
+        };
+        self.queue.retain(|queued| *queued != key);
+        let Phase::Admitted { table, stage } = request.phase else {
+            return;
+        };
+        match stage {
+            Stage::Receiving { inbound, .. } => {
+                self.inbound.remove(&inbound.transfer);
+            }
+            Stage::Sending { transfer, .. } => {
+                self.outbound.remove(&transfer);
+            }
+            Stage::Prefilling { .. } | Stage::Decoding(_) => {}
+        }
+        // A table that no longer verifies frees nothing: its pages are someone else's now,
+        // and that is a bug worth counting, not a reason to free them again.
+        if let Err(error) = self.pool.release(table) {
+            self.ownership_failures += 1;
+            tracing::error!(%error, "a request's pages did not verify at release");
+        }
+    }
+
+    fn report(&mut self, key: Key, outcome: Result<Frame, (Failure, String)>) {
+        let Some(request) = self.requests.get_mut(&key) else {
+            return;
+        };
+        if request.reported {
+            return;
+        }
+        let frame = match outcome {
+            // An Ack ends a prefill's part: the router hears the outcome from decode.
+            Ok(Frame::Ack { .. }) => return,
+            Ok(frame) => frame,
+            Err((failure, message)) => failed(key.1, failure, message),
+        };
+        request.reported = true;
+        self.send(key.0, frame);
+    }
+}

@@ -1,0 +1,256 @@
+//! The batched forward step: one token for every decoding request plus prompt chunks for
+//! prefilling ones, then sampling, and the end of a prefill or a decode.
+
+use super::{DecodeState, Engine, Key, Phase, Request, Stage};
+use kv::RequestId;
+use model::{SamplingParams, SeqStep};
+use transfer::{Failure, Finish, Frame, Plan, Submit};
+
+impl Engine {
+    pub(super) fn step(&mut self) {
+        let Engine {
+            config,
+            model,
+            pool,
+            requests,
+            ..
+        } = self;
+        let mut decoding: Vec<(u64, Key, SeqStep)> = Vec::new();
+        // (seq, key, table, prompt, done, target) for each prefilling request.
+        let mut prefilling = Vec::new();
+        for (key, request) in requests.iter() {
+            let Phase::Admitted { table, stage } = &request.phase else {
+                continue;
+            };
+            match stage {
+                Stage::Decoding(state) => {
+                    let step = SeqStep {
+                        table,
+                        tokens: std::slice::from_ref(&state.next_input),
+                        start_pos: state.position,
+                        want_logits: true,
+                    };
+                    decoding.push((request.seq, *key, step));
+                }
+                Stage::Prefilling { done, target, .. } => {
+                    let prompt = &request.submit.prompt;
+                    prefilling.push((request.seq, *key, table, prompt, *done, *target));
+                }
+                Stage::Receiving { .. } | Stage::Sending { .. } => {}
+            }
+        }
+        if decoding.is_empty() && prefilling.is_empty() {
+            return;
+        }
+        decoding.sort_unstable_by_key(|row| row.0);
+        prefilling.sort_unstable_by_key(|row| row.0);
+        decoding.truncate(config.max_batch);
+        let mut budget = config.step_tokens.saturating_sub(decoding.len()).max(1);
+        let mut steps: Vec<SeqStep> = decoding.iter().map(|row| row.2).collect();
+        // (key, token count) for each prefill row.
+        let mut chunks: Vec<(Key, usize)> = Vec::new();
+        for &(_, key, table, prompt, done, target) in &prefilling {
+            if budget == 0 {
+                break;
+            }
+            let count = (target - done).min(budget);
+            budget -= count;
+            chunks.push((key, count));
+            steps.push(SeqStep {
+                table,
+                tokens: &prompt[done..done + count],
+                start_pos: done,
+                want_logits: false,
+            });
+        }
+        if let Some(delay) = config.faults.step_delay() {
+            std::thread::sleep(delay);
+        }
+        let result = model.forward(pool, &steps);
+        let decoding: Vec<Key> = decoding.iter().map(|row| row.1).collect();
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(error) => {
+                let keys = decoding.into_iter().chain(chunks.iter().map(|c| c.0));
+                self.step_failed(&error, keys.collect());
+                return;
+            }
+        };
+        for (&key, logits) in decoding.iter().zip(&logits) {
+            self.sampled(key, logits);
+        }
+        for &(key, count) in &chunks {
+            let Some(Request {
+                phase:
+                    Phase::Admitted {
+                        stage: Stage::Prefilling { done, target, .. },
+                        ..
+                    },
+                ..
+            }) = self.requests.get_mut(&key)
+            else {
+                continue;
+            };
+            *done += count;
+            if *done == *target {
+                self.prefilled(key);
+            }
+        }
+    }
+
+    /// A step refused to run: a page check failed (a bug in this worker, or a fault planted
+    /// in a test; counted and exported) or the model refused the batch. The checks run before
+    /// any K/V is touched, so nothing was written. The requests whose own pages no longer
+    /// verify fail; the others run again next step. If none can be singled out, all fail:
+    /// none is answered from what the step might have read.
+    fn step_failed(&mut self, error: &model::Error, keys: Vec<Key>) {
+        if matches!(error, model::Error::Kv(_)) {
+            self.ownership_failures += 1;
+        }
+        tracing::error!(%error, "forward step refused; failing the requests it concerns");
+        let unverified: Vec<Key> = keys
+            .iter()
+            .copied()
+            .filter(|key| match self.requests.get(key).map(|r| &r.phase) {
+                Some(Phase::Admitted { table, .. }) => self.pool.verify_batch(&[table]).is_err(),
+                _ => true,
+            })
+            .collect();
+        let failing = if unverified.is_empty() {
+            keys
+        } else {
+            unverified
+        };
+        for key in failing {
+            self.end(
+                key,
+                Err((Failure::Internal, "the worker refused a step".into())),
+            );
+        }
+    }
+
+    /// The prompt is in KV: unified requests start decoding, prefill ones send their pages.
+    pub(super) fn prefilled(&mut self, key: Key) {
+        let Some(request) = self.requests.get_mut(&key) else {
+            return;
+        };
+        match request.submit.plan {
+            Plan::Unified => {
+                if let Phase::Admitted { stage, .. } = &mut request.phase {
+                    *stage = Stage::Decoding(DecodeState::new(&request.submit));
+                }
+                self.send(key.0, Frame::Started { request: key.1 });
+            }
+            Plan::Prefill { transfer, .. } => self.send_pages(key, transfer),
+            Plan::Decode { .. } => unreachable!("decode plans receive, they never prefill"),
+        }
+    }
+
+    fn sampled(&mut self, key: Key, logits: &[f32]) {
+        let eos = self.tokenizer.eos_id();
+        let Some(Request {
+            submit,
+            phase:
+                Phase::Admitted {
+                    stage: Stage::Decoding(state),
+                    ..
+                },
+            ..
+        }) = self.requests.get_mut(&key)
+        else {
+            return;
+        };
+        let token = state.sampler.sample(logits);
+        let (shown, finish) = if token == eos && !submit.ignore_eos {
+            (String::new(), Some(Finish::Stop))
+        } else {
+            let token_bytes = self.tokenizer.token_bytes(token);
+            state.push(token, token_bytes, submit.max_tokens as usize)
+        };
+        let finished = finish.map(|finish| {
+            let tail = state.flush();
+            let frame = Frame::Finished {
+                request: key.1,
+                finish,
+                prompt_tokens: submit.prompt.len() as u32,
+                completion_tokens: state.generated.len() as u32,
+            };
+            (tail, frame)
+        });
+        if !shown.is_empty() {
+            self.send(key.0, text_frame(key.1, shown));
+        }
+        if let Some((tail, frame)) = finished {
+            if !tail.is_empty() {
+                self.send(key.0, text_frame(key.1, tail));
+            }
+            self.end(key, Ok(frame));
+        }
+    }
+}
+
+impl DecodeState {
+    /// The state a request starts decoding in: its first step feeds the prompt's last token.
+    pub(super) fn new(submit: &Submit) -> DecodeState {
+        let sampling = SamplingParams {
+            temperature: submit.sampling.temperature,
+            top_k: submit.sampling.top_k as usize,
+            top_p: submit.sampling.top_p,
+            seed: submit.sampling.seed,
+        };
+        let prompt_tokens = submit.prompt.len();
+        DecodeState {
+            sampler: model::Sampler::new(sampling),
+            stops: model::StopMatcher::new(&submit.stop),
+            pending_bytes: Vec::new(),
+            generated: Vec::new(),
+            next_input: submit.prompt[prompt_tokens - 1],
+            position: prompt_tokens - 1,
+        }
+    }
+
+    /// Takes a sampled token (not an end): the text it completes that may be shown, and how
+    /// the request finishes if this token ends it.
+    fn push(
+        &mut self,
+        token: u32,
+        token_bytes: &[u8],
+        max_tokens: usize,
+    ) -> (String, Option<Finish>) {
+        self.generated.push(token);
+        self.pending_bytes.extend_from_slice(token_bytes);
+        let text = model::take_complete_utf8(&mut self.pending_bytes);
+        let (shown, stopped) = self.stops.push(&text);
+        self.next_input = token;
+        self.position += 1;
+        let finish = if stopped {
+            Some(Finish::Stop)
+        } else if self.generated.len() == max_tokens {
+            Some(Finish::Length)
+        } else {
+            None
+        };
+        (shown, finish)
+    }
+
+    /// The text held back at the end: bytes of an incomplete character, and a tail that
+    /// could still have begun a stop string.
+    fn flush(&mut self) -> String {
+        let mut tail = String::new();
+        if !self.pending_bytes.is_empty() {
+            let rest = String::from_utf8_lossy(&self.pending_bytes).into_owned();
+            self.pending_bytes.clear();
+            tail.push_str(&self.stops.push(&rest).0);
+        }
+        tail.push_str(&self.stops.finish());
+        tail
+    }
+}
+
+fn text_frame(request: RequestId, text: String) -> Frame {
+    Frame::Text {
+        request,
+        text,
+        token_count: 1,
+    }
+}
