@@ -28,7 +28,10 @@ const TENANT: TenantId = TenantId(7);
 const PROMPT: [u32; 10] = [8, 5, 12, 12, 15, 23, 15, 18, 12, 4];
 const MAX_TOKENS: u32 = 6;
 const ROUTER: LinkId = 1;
+/// The decode worker's link, on a prefill worker.
 const PEER: LinkId = 2;
+/// The prefill worker's link, on a decode worker.
+const PREFILL: LinkId = 3;
 const TRANSFER: TransferId = TransferId(500);
 
 /// One engine and the sending end of its event channel.
@@ -295,8 +298,6 @@ fn reserved() -> (Worker, Link, Link) {
     assert_eq!(decode.engine.pool.pages_in_state(PageState::Receiving), 4);
     (decode, router, prefill)
 }
-
-const PREFILL: LinkId = 3;
 
 /// The page frames of a transfer as (index, bytes), and its `Done`, which must come last.
 fn split_transfer(sent: &[Frame]) -> (Vec<(u32, Vec<u8>)>, TransferDone) {
