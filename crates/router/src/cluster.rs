@@ -2,7 +2,7 @@
 //! that it re-opens when it breaks, the worker's `Hello`, its latest pool report, and the
 //! requests in flight on it.
 
-use crate::metrics::{Metrics, PoolGauges};
+use crate::metrics::{Counter, Metrics, PoolGauges};
 use kv::RequestId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -239,10 +239,9 @@ impl WorkerClient {
                     tracing::debug!(worker = %self.addr, %error, "worker not reachable");
                 }
                 Err(LinkFailure::Refused(error)) => {
-                    metrics.inc(
-                        "airlock_workers_refused_total",
-                        &[("reason", error.reason())],
-                    );
+                    metrics.inc(Counter::WorkersRefused {
+                        reason: error.reason(),
+                    });
                     tracing::error!(worker = %self.addr, %error, "worker refused");
                     self.lock().refused = Some(error.to_string());
                     tokio::time::sleep(REFUSED_DELAY).await;

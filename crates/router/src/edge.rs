@@ -14,7 +14,7 @@
 //! once the caller is authenticated.
 
 use crate::error::ApiError;
-use crate::metrics::Metrics;
+use crate::metrics::{Counter, Metrics};
 use axum::body::Body;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -138,10 +138,9 @@ pub async fn serve(
                 connections.spawn(serve_connection(stream, conn, table, app, stop));
             }
             Err(refusal) => {
-                metrics.inc(
-                    "airlock_http_connections_refused_total",
-                    &[("reason", refusal.reason())],
-                );
+                metrics.inc(Counter::HttpConnectionsRefused {
+                    reason: refusal.reason(),
+                });
                 if let Ok(permit) = refusals.clone().try_acquire_owned() {
                     let response = refusal.response(&config);
                     tokio::spawn(async move {
@@ -205,7 +204,7 @@ impl Refusal {
                 },
             ),
         };
-        let body = error.body().to_string();
+        let body = error.to_json();
         format!(
             "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
              retry-after: 1\r\nconnection: close\r\n\r\n{body}",
@@ -318,10 +317,8 @@ impl Table {
             };
             let evicted = state.remove(id).expect("found in the table above");
             evicted.close.notify_one();
-            self.metrics.inc(
-                "airlock_http_connections_closed_total",
-                &[("reason", "evicted")],
-            );
+            self.metrics
+                .inc(Counter::HttpConnectionsClosed { reason: "evicted" });
         }
         state.next_id += 1;
         let conn = Arc::new(Conn {
@@ -413,10 +410,7 @@ async fn serve_connection(
         Ended::Idle => Some("idle"),
     };
     if let Some(reason) = reason {
-        table.metrics.inc(
-            "airlock_http_connections_closed_total",
-            &[("reason", reason)],
-        );
+        table.metrics.inc(Counter::HttpConnectionsClosed { reason });
     }
     table.release(&conn);
 }

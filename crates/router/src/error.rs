@@ -2,6 +2,7 @@
 //! OpenAI error `type` and `code`. Messages say what to do; they never carry prompt text,
 //! keys or KV contents (internals are logged, not sent).
 
+use crate::responses::{ErrorBody, ErrorDetail};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use transfer::Failure;
@@ -146,7 +147,7 @@ impl ApiError {
     }
 
     /// The OpenAI error object: `{"error": {"message", "type", "param", "code"}}`.
-    pub fn body(&self) -> serde_json::Value {
+    pub fn body(&self) -> ErrorBody {
         let row = self.row();
         let param = match self {
             ApiError::InvalidRequest { param, .. } => *param,
@@ -154,14 +155,19 @@ impl ApiError {
             ApiError::ModelNotFound { .. } => Some("model"),
             _ => None,
         };
-        serde_json::json!({
-            "error": {
-                "message": self.message(),
-                "type": row.kind,
-                "param": param,
-                "code": row.code,
-            }
-        })
+        ErrorBody {
+            error: ErrorDetail {
+                code: row.code,
+                message: self.message(),
+                param,
+                kind: row.kind,
+            },
+        }
+    }
+
+    /// [`ApiError::body`] as JSON text.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(&self.body()).expect("an error body always serializes")
     }
 
     /// Short label for metrics.

@@ -6,31 +6,128 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-/// Counter names and their help text; `inc` accepts only these.
-const COUNTERS: &[(&str, &str)] = &[
-    (
-        "airlock_requests_total",
-        "Requests by outcome (ok, error, cancelled) and reason (finish reason, error code).",
-    ),
-    (
-        "airlock_transfers_total",
-        "KV transfers seen by the router, by outcome (ok, failed) and reason.",
-    ),
-    (
-        "airlock_http_connections_refused_total",
-        "HTTP connections answered at once and closed, by reason (per_client: the address holds \
-         its share; full: every slot busy).",
-    ),
-    (
-        "airlock_http_connections_closed_total",
-        "HTTP connections the server closed, by reason (header_timeout, idle: kept alive with \
-         no request, evicted: the longest idle, to make room).",
-    ),
-    (
-        "airlock_workers_refused_total",
-        "Workers the router refused at the handshake, by reason (auth, a mismatched field).",
-    ),
-];
+/// One increment of a counter, with its labels: each counter's name and label set is fixed
+/// by its variant, so a wrong name or a missing label does not compile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// `airlock_requests_total{outcome, reason}`; `reason` is the finish reason or error code.
+    Requests {
+        outcome: RequestOutcome,
+        reason: &'static str,
+    },
+    /// `airlock_transfers_total{outcome, reason}`.
+    Transfers {
+        outcome: TransferOutcome,
+        reason: &'static str,
+    },
+    /// `airlock_http_connections_refused_total{reason}`.
+    HttpConnectionsRefused { reason: &'static str },
+    /// `airlock_http_connections_closed_total{reason}`.
+    HttpConnectionsClosed { reason: &'static str },
+    /// `airlock_workers_refused_total{reason}`.
+    WorkersRefused { reason: &'static str },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    Ok,
+    Error,
+    Cancelled,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferOutcome {
+    Ok,
+    Failed,
+}
+
+/// The counters' names in the order /metrics lists them, with their help text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum CounterName {
+    Requests,
+    Transfers,
+    HttpConnectionsRefused,
+    HttpConnectionsClosed,
+    WorkersRefused,
+}
+
+impl CounterName {
+    const ALL: [CounterName; 5] = [
+        CounterName::Requests,
+        CounterName::Transfers,
+        CounterName::HttpConnectionsRefused,
+        CounterName::HttpConnectionsClosed,
+        CounterName::WorkersRefused,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            CounterName::Requests => "airlock_requests_total",
+            CounterName::Transfers => "airlock_transfers_total",
+            CounterName::HttpConnectionsRefused => "airlock_http_connections_refused_total",
+            CounterName::HttpConnectionsClosed => "airlock_http_connections_closed_total",
+            CounterName::WorkersRefused => "airlock_workers_refused_total",
+        }
+    }
+
+    fn help(self) -> &'static str {
+        match self {
+            CounterName::Requests => {
+                "Requests by outcome (ok, error, cancelled) and reason (finish reason, error code)."
+            }
+            CounterName::Transfers => {
+                "KV transfers seen by the router, by outcome (ok, failed) and reason."
+            }
+            CounterName::HttpConnectionsRefused => {
+                "HTTP connections answered at once and closed, by reason (per_client: the address \
+                 holds its share; full: every slot busy)."
+            }
+            CounterName::HttpConnectionsClosed => {
+                "HTTP connections the server closed, by reason (header_timeout, idle: kept alive \
+                 with no request, evicted: the longest idle, to make room)."
+            }
+            CounterName::WorkersRefused => {
+                "Workers the router refused at the handshake, by reason (auth, a mismatched field)."
+            }
+        }
+    }
+}
+
+impl Counter {
+    fn name(self) -> CounterName {
+        match self {
+            Counter::Requests { .. } => CounterName::Requests,
+            Counter::Transfers { .. } => CounterName::Transfers,
+            Counter::HttpConnectionsRefused { .. } => CounterName::HttpConnectionsRefused,
+            Counter::HttpConnectionsClosed { .. } => CounterName::HttpConnectionsClosed,
+            Counter::WorkersRefused { .. } => CounterName::WorkersRefused,
+        }
+    }
+
+    /// The label set, rendered: `{outcome="ok",reason="stop"}`.
+    fn labels(self) -> String {
+        match self {
+            Counter::Requests { outcome, reason } => {
+                let outcome = match outcome {
+                    RequestOutcome::Ok => "ok",
+                    RequestOutcome::Error => "error",
+                    RequestOutcome::Cancelled => "cancelled",
+                };
+                format_labels(&[("outcome", outcome), ("reason", reason)])
+            }
+            Counter::Transfers { outcome, reason } => {
+                let outcome = match outcome {
+                    TransferOutcome::Ok => "ok",
+                    TransferOutcome::Failed => "failed",
+                };
+                format_labels(&[("outcome", outcome), ("reason", reason)])
+            }
+            Counter::HttpConnectionsRefused { reason }
+            | Counter::HttpConnectionsClosed { reason }
+            | Counter::WorkersRefused { reason } => format_labels(&[("reason", reason)]),
+        }
+    }
+}
 
 /// (name, help, value) of one per-worker gauge.
 type GaugeRow = (&'static str, &'static str, fn(&PoolGauges) -> f64);
@@ -39,7 +136,7 @@ const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 const ITL_BUCKETS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
 
 pub struct Metrics {
-    counters: Mutex<BTreeMap<(&'static str, String), u64>>,
+    counters: Mutex<BTreeMap<(CounterName, String), u64>>,
     ttft: Histogram,
     itl: Histogram,
     http_connections_open: AtomicUsize,
@@ -97,17 +194,12 @@ impl Metrics {
         }
     }
 
-    pub fn inc(&self, name: &'static str, labels: &[(&str, &str)]) {
-        assert!(
-            COUNTERS.iter().any(|(known, _)| *known == name),
-            "counter {name} is declared in COUNTERS"
-        );
-        let labels = format_labels(labels);
+    pub fn inc(&self, counter: Counter) {
         *self
             .counters
             .lock()
             .expect("metrics lock is never held across a panic")
-            .entry((name, labels))
+            .entry((counter.name(), counter.labels()))
             .or_insert(0) += 1;
     }
 
@@ -130,10 +222,11 @@ impl Metrics {
             .counters
             .lock()
             .expect("metrics lock is never held across a panic");
-        for (name, help) in COUNTERS {
+        for counter_name in CounterName::ALL {
+            let (name, help) = (counter_name.name(), counter_name.help());
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
             for ((counter, labels), value) in counters.iter() {
-                if counter == name {
+                if *counter == counter_name {
                     let _ = writeln!(out, "{name}{labels} {value}");
                 }
             }
@@ -272,4 +365,54 @@ fn format_labels(labels: &[(&str, &str)]) -> String {
         })
         .collect();
     format!("{{{}}}", body.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The counters' lines exactly as /metrics has always written them.
+    #[test]
+    fn counters_render_with_their_names_help_and_labels() {
+        let metrics = Metrics::new();
+        metrics.inc(Counter::Requests {
+            outcome: RequestOutcome::Cancelled,
+            reason: "client_gone",
+        });
+        metrics.inc(Counter::Requests {
+            outcome: RequestOutcome::Ok,
+            reason: "stop",
+        });
+        metrics.inc(Counter::Requests {
+            outcome: RequestOutcome::Ok,
+            reason: "stop",
+        });
+        metrics.inc(Counter::Transfers {
+            outcome: TransferOutcome::Failed,
+            reason: "kv_transfer_failed",
+        });
+        metrics.inc(Counter::HttpConnectionsRefused { reason: "full" });
+        metrics.inc(Counter::HttpConnectionsClosed { reason: "idle" });
+        metrics.inc(Counter::WorkersRefused { reason: "auth" });
+        let page = metrics.render(&[], 0);
+        let expected = "\
+# HELP airlock_requests_total Requests by outcome (ok, error, cancelled) and reason (finish reason, error code).
+# TYPE airlock_requests_total counter
+airlock_requests_total{outcome=\"cancelled\",reason=\"client_gone\"} 1
+airlock_requests_total{outcome=\"ok\",reason=\"stop\"} 2
+# HELP airlock_transfers_total KV transfers seen by the router, by outcome (ok, failed) and reason.
+# TYPE airlock_transfers_total counter
+airlock_transfers_total{outcome=\"failed\",reason=\"kv_transfer_failed\"} 1
+# HELP airlock_http_connections_refused_total HTTP connections answered at once and closed, by reason (per_client: the address holds its share; full: every slot busy).
+# TYPE airlock_http_connections_refused_total counter
+airlock_http_connections_refused_total{reason=\"full\"} 1
+# HELP airlock_http_connections_closed_total HTTP connections the server closed, by reason (header_timeout, idle: kept alive with no request, evicted: the longest idle, to make room).
+# TYPE airlock_http_connections_closed_total counter
+airlock_http_connections_closed_total{reason=\"idle\"} 1
+# HELP airlock_workers_refused_total Workers the router refused at the handshake, by reason (auth, a mismatched field).
+# TYPE airlock_workers_refused_total counter
+airlock_workers_refused_total{reason=\"auth\"} 1
+";
+        assert!(page.starts_with(expected), "{page}");
+    }
 }

@@ -9,7 +9,10 @@
 use crate::error::ApiError;
 use gguf::{ChatMessage, ChatTemplate, Tokenizer};
 use serde::Deserialize;
+use serde_json::json;
 use transfer::{Sampling, MAX_STOP_STRINGS};
+use utoipa::openapi::{RefOr, Schema};
+use utoipa::{PartialSchema, ToSchema};
 
 /// Which endpoint a job came from: it decides the response shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,46 +33,72 @@ impl Endpoint {
     }
 }
 
-#[derive(Deserialize)]
+// The `#[schema]` bounds below are the ones `build_job` and the parsers enforce; the served
+// document adds the deployment's own (model id, max_tokens, vocabulary) in `openapi.rs`.
+
+/// The body of `POST /v1/chat/completions`. Unknown fields are ignored.
+#[derive(Deserialize, ToSchema)]
 pub struct ChatRequest {
+    /// The served model's id (`GET /v1/models`).
     model: String,
+    #[schema(min_items = 1)]
     messages: Vec<ChatMessageIn>,
     #[serde(flatten)]
     common: Common,
+    /// Takes precedence over `max_tokens`.
+    #[schema(minimum = 1)]
     max_completion_tokens: Option<i64>,
+    /// Only `false`: log probabilities are not supported.
+    #[schema(schema_with = only_false)]
     logprobs: Option<bool>,
 }
 
-#[derive(Deserialize)]
+/// The body of `POST /v1/completions`. Unknown fields are ignored.
+#[derive(Deserialize, ToSchema)]
 pub struct CompletionRequest {
+    /// The served model's id (`GET /v1/models`).
     model: String,
     prompt: Prompt,
     #[serde(flatten)]
     common: Common,
+    /// Only 0 or less: log probabilities are not supported.
+    #[schema(maximum = 0)]
     logprobs: Option<i64>,
+    /// Only `false`.
+    #[schema(schema_with = only_false)]
     echo: Option<bool>,
+    #[schema(minimum = 1, maximum = 1)]
     best_of: Option<i64>,
 }
 
 /// Fields both endpoints share.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct Common {
+    /// At least 1; the prompt and `max_tokens` together must fit the context length.
+    /// Default: the server's default, capped by what the context leaves.
+    #[schema(minimum = 1)]
     max_tokens: Option<i64>,
+    #[schema(minimum = 0.0, maximum = 2.0)]
     temperature: Option<f64>,
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     top_p: Option<f64>,
-    /// Not in OpenAI's API; accepted as llama.cpp and vLLM do.
+    /// Not in OpenAI's API; accepted as llama.cpp and vLLM do. 0 is off.
+    #[schema(minimum = 0, maximum = 4294967295_i64)]
     top_k: Option<i64>,
     seed: Option<i64>,
     stop: Option<Stop>,
+    #[schema(minimum = 1, maximum = 1)]
     n: Option<i64>,
+    /// Answer as server-sent events (`text/event-stream`).
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     /// Not in OpenAI's API: keep going past the end-of-sequence token.
     ignore_eos: Option<bool>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct StreamOptions {
+    /// One more event before `[DONE]` with the `usage` (only with `stream`).
     include_usage: Option<bool>,
 }
 
@@ -88,8 +117,10 @@ enum Prompt {
     Tokens(Vec<i64>),
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 struct ChatMessageIn {
+    /// `developer` is read as `system`.
+    #[schema(value_type = String, pattern = "^(system|developer|user|assistant)$")]
     role: String,
     content: Content,
 }
@@ -131,6 +162,72 @@ pub struct Limits<'a> {
 }
 
 const STOP_BYTES_MAX: usize = 256;
+
+// The untagged enums' schemas are written out: a `oneOf` of what each variant accepts, with
+// the bounds the derive cannot put on a variant's field.
+
+/// A schema from its JSON text; only ever called on the literals below.
+fn schema(value: serde_json::Value) -> RefOr<Schema> {
+    RefOr::T(serde_json::from_value(value).expect("the literal is a schema"))
+}
+
+/// A flag whose `true` is refused.
+fn only_false() -> RefOr<Schema> {
+    schema(json!({"type": ["boolean", "null"], "enum": [false, null]}))
+}
+
+impl PartialSchema for Stop {
+    fn schema() -> RefOr<Schema> {
+        // Stop strings are bounded in bytes; the schema can only count characters.
+        let one = json!({"type": "string", "minLength": 1, "maxLength": STOP_BYTES_MAX});
+        schema(json!({
+            "description": format!("Up to {MAX_STOP_STRINGS} strings of 1 to {STOP_BYTES_MAX} \
+                bytes; generation stops before the first one it would write."),
+            "oneOf": [one, {"type": "array", "items": one, "maxItems": MAX_STOP_STRINGS}],
+        }))
+    }
+}
+
+impl ToSchema for Stop {}
+
+impl PartialSchema for Prompt {
+    fn schema() -> RefOr<Schema> {
+        schema(json!({
+            "description": "The text, one text in an array, or token ids (below the \
+                vocabulary size).",
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1},
+                 "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": {"type": "integer", "minimum": 0},
+                 "minItems": 1},
+            ],
+        }))
+    }
+}
+
+impl ToSchema for Prompt {}
+
+impl PartialSchema for Content {
+    fn schema() -> RefOr<Schema> {
+        schema(json!({
+            "description": "The text, or text parts (no other kind of part).",
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {
+                    "type": "object",
+                    "properties": {
+                        "type": {"type": "string", "enum": ["text"]},
+                        "text": {"type": "string"},
+                    },
+                    "required": ["type", "text"],
+                }},
+            ],
+        }))
+    }
+}
+
+impl ToSchema for Content {}
 
 pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
     let request: ChatRequest = parse_json(body)?;

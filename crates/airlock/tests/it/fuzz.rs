@@ -55,10 +55,8 @@ fn check_outcome(result: Result<Job, router::ApiError>) -> Result<(), TestCaseEr
                 error.status()
             );
             let body = error.body();
-            prop_assert!(body["error"]["message"]
-                .as_str()
-                .is_some_and(|m| !m.is_empty()));
-            prop_assert!(body["error"]["code"].is_string());
+            prop_assert!(!body.error.message.is_empty());
+            prop_assert!(!body.error.code.is_empty());
         }
     }
     Ok(())

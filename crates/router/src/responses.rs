@@ -1,0 +1,411 @@
+//! Every JSON body the router answers, as types: the same definitions are serialized onto the
+//! wire and described in the OpenAPI document (`openapi.rs`), so the two cannot drift.
+//!
+//! Fields are declared in alphabetical order, the order `serde_json::json!` wrote them in
+//! before these types existed: the bytes on the wire did not change with them.
+
+use crate::openai::Endpoint;
+use serde::Serialize;
+use std::time::SystemTime;
+use transfer::Finish;
+use utoipa::openapi::schema::{ObjectBuilder, Type};
+use utoipa::openapi::{RefOr, Schema};
+use utoipa::ToSchema;
+
+/// Why generation stopped: an end-of-sequence token or stop string, or `max_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+impl From<Finish> for FinishReason {
+    fn from(finish: Finish) -> FinishReason {
+        match finish {
+            Finish::Stop => FinishReason::Stop,
+            Finish::Length => FinishReason::Length,
+        }
+    }
+}
+
+impl FinishReason {
+    /// The metrics label, the same word as on the wire.
+    pub fn label(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token counts of one request, as the workers report them at its end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+pub struct Usage {
+    pub completion_tokens: u32,
+    pub prompt_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Usage {
+        Usage {
+            completion_tokens,
+            prompt_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// `logprobs` is always `null`: requests for them are refused.
+fn null_schema() -> utoipa::openapi::Object {
+    ObjectBuilder::new().schema_type(Type::Null).build()
+}
+
+/// A non-streamed answer of `/v1/chat/completions`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatCompletion {
+    pub choices: Vec<ChatChoice>,
+    /// Unix seconds.
+    pub created: u64,
+    #[schema(example = "chatcmpl-0123456789abcdef")]
+    pub id: String,
+    pub model: String,
+    #[schema(value_type = String, pattern = "^chat\\.completion$")]
+    pub object: &'static str,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatChoice {
+    pub finish_reason: FinishReason,
+    pub index: u32,
+    #[schema(schema_with = null_schema)]
+    pub logprobs: Option<()>,
+    pub message: AssistantMessage,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AssistantMessage {
+    pub content: String,
+    #[schema(value_type = String, pattern = "^assistant$")]
+    pub role: &'static str,
+}
+
+/// One `data:` event of a streamed `/v1/chat/completions` answer. The first carries the
+/// role, the last choice its `finish_reason`; with `stream_options.include_usage` one more
+/// follows with no choices and the `usage`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatCompletionChunk {
+    pub choices: Vec<ChatChunkChoice>,
+    pub created: u64,
+    pub id: String,
+    pub model: String,
+    #[schema(value_type = String, pattern = "^chat\\.completion\\.chunk$")]
+    pub object: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatChunkChoice {
+    pub delta: Delta,
+    pub finish_reason: Option<FinishReason>,
+    pub index: u32,
+    #[schema(schema_with = null_schema)]
+    pub logprobs: Option<()>,
+}
+
+#[derive(Debug, Default, Serialize, ToSchema)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, pattern = "^assistant$")]
+    pub role: Option<&'static str>,
+}
+
+/// One event of a streamed answer, as an SSE client parses it (OpenAPI before 3.2 describes
+/// `text/event-stream` event by event).
+pub struct StreamEvent;
+
+impl utoipa::PartialSchema for StreamEvent {
+    fn schema() -> RefOr<Schema> {
+        let schema = serde_json::json!({
+            "type": "object",
+            "description": "A `message` event's `data` is a chunk as JSON \
+                (`ChatCompletionChunk` or `TextCompletionChunk`), the last one `[DONE]`; an \
+                `error` event's `data` is an `ErrorBody` as JSON, and no `[DONE]` follows.",
+            "properties": {
+                "event": {"type": "string", "enum": ["message", "error"]},
+                "data": {"type": "string"},
+            },
+            "required": ["data"],
+        });
+        RefOr::T(serde_json::from_value(schema).expect("the literal is a schema"))
+    }
+}
+
+impl ToSchema for StreamEvent {}
+
+/// A non-streamed answer of `/v1/completions`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TextCompletion {
+    pub choices: Vec<TextChoice>,
+    pub created: u64,
+    #[schema(example = "cmpl-0123456789abcdef")]
+    pub id: String,
+    pub model: String,
+    #[schema(value_type = String, pattern = "^text_completion$")]
+    pub object: &'static str,
+    pub usage: Usage,
+}
+
+/// One `data:` event of a streamed `/v1/completions` answer: the same shape as the whole
+/// answer, `finish_reason` null but in the last, and `usage` only in the extra last event
+/// `stream_options.include_usage` asks for.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TextCompletionChunk {
+    pub choices: Vec<TextChoice>,
+    pub created: u64,
+    pub id: String,
+    pub model: String,
+    #[schema(value_type = String, pattern = "^text_completion$")]
+    pub object: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TextChoice {
+    /// Set in a whole answer; in a stream, only in the last chunk.
+    pub finish_reason: Option<FinishReason>,
+    pub index: u32,
+    #[schema(schema_with = null_schema)]
+    pub logprobs: Option<()>,
+    pub text: String,
+}
+
+/// What every answer of one request shares: its id and the model that wrote it.
+pub struct Head {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub model: String,
+}
+
+/// What one streamed event says.
+#[derive(Clone, Copy, Debug)]
+pub enum Piece<'a> {
+    /// The first event: the assistant's role (chat), empty text.
+    Opening,
+    Text(&'a str),
+    Finish(FinishReason),
+    /// After the finish, when the client asked for usage.
+    Usage(Usage),
+}
+
+/// One streamed event's JSON, of either endpoint.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Chunk {
+    Chat(ChatCompletionChunk),
+    Text(TextCompletionChunk),
+}
+
+/// The whole answer of a non-streamed request, of either endpoint.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Whole {
+    Chat(ChatCompletion),
+    Text(TextCompletion),
+}
+
+fn created() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Head {
+    pub fn whole(&self, text: String, finish: FinishReason, usage: Usage) -> Whole {
+        match self.endpoint {
+            Endpoint::Chat => Whole::Chat(ChatCompletion {
+                choices: vec![ChatChoice {
+                    finish_reason: finish,
+                    index: 0,
+                    logprobs: None,
+                    message: AssistantMessage {
+                        content: text,
+                        role: "assistant",
+                    },
+                }],
+                created: created(),
+                id: self.id.clone(),
+                model: self.model.clone(),
+                object: "chat.completion",
+                usage,
+            }),
+            Endpoint::Completions => Whole::Text(TextCompletion {
+                choices: vec![TextChoice {
+                    finish_reason: Some(finish),
+                    index: 0,
+                    logprobs: None,
+                    text,
+                }],
+                created: created(),
+                id: self.id.clone(),
+                model: self.model.clone(),
+                object: "text_completion",
+                usage,
+            }),
+        }
+    }
+
+    pub fn chunk(&self, piece: Piece) -> Chunk {
+        let (text, finish, usage) = match piece {
+            Piece::Opening => (Some(""), None, None),
+            Piece::Text(text) => (Some(text), None, None),
+            Piece::Finish(finish) => (None, Some(finish), None),
+            Piece::Usage(usage) => (None, None, Some(usage)),
+        };
+        // The usage event has no choices; every other event has one.
+        let one_choice = usage.is_none();
+        match self.endpoint {
+            Endpoint::Chat => Chunk::Chat(ChatCompletionChunk {
+                choices: one_choice
+                    .then(|| ChatChunkChoice {
+                        delta: Delta {
+                            content: text.map(str::to_string),
+                            role: matches!(piece, Piece::Opening).then_some("assistant"),
+                        },
+                        finish_reason: finish,
+                        index: 0,
+                        logprobs: None,
+                    })
+                    .into_iter()
+                    .collect(),
+                created: created(),
+                id: self.id.clone(),
+                model: self.model.clone(),
+                object: "chat.completion.chunk",
+                usage,
+            }),
+            Endpoint::Completions => Chunk::Text(TextCompletionChunk {
+                choices: one_choice
+                    .then(|| TextChoice {
+                        finish_reason: finish,
+                        index: 0,
+                        logprobs: None,
+                        text: text.unwrap_or("").to_string(),
+                    })
+                    .into_iter()
+                    .collect(),
+                created: created(),
+                id: self.id.clone(),
+                model: self.model.clone(),
+                object: "text_completion",
+                usage,
+            }),
+        }
+    }
+}
+
+/// `/v1/models`: the one model served.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelList {
+    pub data: Vec<ModelCard>,
+    #[schema(value_type = String, pattern = "^list$")]
+    pub object: &'static str,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub created: u64,
+    pub id: String,
+    #[schema(value_type = String, pattern = "^model$")]
+    pub object: &'static str,
+    #[schema(value_type = String, pattern = "^airlock$")]
+    pub owned_by: &'static str,
+}
+
+impl ModelList {
+    pub fn one(model_id: &str) -> ModelList {
+        ModelList {
+            data: vec![ModelCard {
+                created: 0,
+                id: model_id.to_string(),
+                object: "model",
+                owned_by: "airlock",
+            }],
+            object: "list",
+        }
+    }
+}
+
+/// `ok` when every worker is linked, else `degraded` (with status 503).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Readiness {
+    Ok,
+    Degraded,
+}
+
+/// `/health/live` and `/health/ready`, and `/health` for a caller without a valid key.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HealthStatus {
+    pub status: Readiness,
+}
+
+/// `/health`: the status for anyone; the model, context length and workers only for a caller
+/// with a valid key (in single-tenant mode, every caller).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_length: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    pub status: Readiness,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<Vec<WorkerView>>,
+}
+
+/// One configured worker; what it reported at its handshake is null until it linked once.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WorkerView {
+    pub address: String,
+    pub capacity_tokens: Option<u64>,
+    pub context_length: Option<u32>,
+    pub kv_bytes: Option<u64>,
+    pub name: Option<String>,
+    pub page_size_tokens: Option<u32>,
+    /// Why the router refused this worker at its handshake, if it did.
+    pub refused: Option<String>,
+    #[schema(value_type = String, pattern = "^(prefill|decode|unified)$")]
+    pub role: &'static str,
+    pub up: bool,
+    pub weight_bytes: Option<u64>,
+}
+
+/// The OpenAI error object every error answer carries.
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Machine-readable: `invalid_request`, `context_length_exceeded`, `invalid_api_key`,
+    /// `model_not_found`, `rate_limit_exceeded`, `overloaded`, ...
+    #[schema(value_type = String)]
+    pub code: &'static str,
+    /// What went wrong and what to do about it.
+    pub message: String,
+    /// The request field to change, when one is at fault.
+    #[schema(value_type = Option<String>)]
+    pub param: Option<&'static str>,
+    /// OpenAI's error class: `invalid_request_error`, `authentication_error`,
+    /// `rate_limit_error` or `server_error`.
+    #[serde(rename = "type")]
+    #[schema(value_type = String)]
+    pub kind: &'static str,
+}

@@ -1,0 +1,367 @@
+//! One request's run through the workers, from submit to its end, as a sequence of phases
+//! whose variants hold what only that phase has.
+//!
+//! No 200 leaves before the decode worker reports `Started`, which it sends only after it
+//! sealed a verified transfer (I2, I4). A client that goes away drops its [`Run`], and the
+//! drop sends an abort to every worker the request touched (I7): the workers end it through
+//! the protocol. A run is counted in `airlock_requests_total` exactly once: when it ends, or
+//! as `cancelled` when it is dropped before.
+
+use crate::cluster::{role_name, WorkerClient};
+use crate::error::ApiError;
+use crate::metrics::{Counter, RequestOutcome, TransferOutcome};
+use crate::openai::{Endpoint, Job};
+use crate::responses::{FinishReason, Head, Usage};
+use crate::server::AppState;
+use crate::tenants::TenantPermit;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kv::RequestId;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::OwnedSemaphorePermit;
+use transfer::{Frame, Plan, Role, Submit, TransferId};
+
+/// One request in flight. Dropping it before it ended aborts it on every worker it reached.
+pub(crate) struct Run {
+    state: Arc<AppState>,
+    id: RequestId,
+    job: Job,
+    workers: Vec<Arc<WorkerClient>>,
+    rx: UnboundedReceiver<(Role, Frame)>,
+    arrived: Instant,
+    phase: Phase,
+    _permit: TenantPermit,
+    _slot: OwnedSemaphorePermit,
+}
+
+enum Phase {
+    /// Disaggregated: decode has the request and is reserving its pages. Prefill is told only
+    /// once decode has (its `Admitted`), so no page can arrive before there is somewhere
+    /// verified to put it.
+    Reserving { prefill: PendingPrefill },
+    /// Every worker the request needs has it; waiting for decode's (or unified's) `Started`.
+    Prefilling,
+    /// Decode has sealed the transfer: from here on only decode decides how the request ends
+    /// (a prefill that loses its link before reading decode's `Ack` is no failure).
+    Streaming { last_token: Option<Instant> },
+    /// The workers reported the end, or the router gave up on the request.
+    Ended(Ending),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ending {
+    /// `Finished`: no worker holds anything for it, nobody needs an abort.
+    Finished,
+    /// One worker failed it (or the router gave up); the others may still hold pages for it.
+    Failed,
+}
+
+impl Phase {
+    /// Counted in the router's queue-depth gauge (`AppState::waiting`).
+    fn is_waiting(&self) -> bool {
+        matches!(self, Phase::Reserving { .. } | Phase::Prefilling)
+    }
+}
+
+/// The prefill worker, the channel its frames go to, and the submit to send it.
+type PendingPrefill = (Arc<WorkerClient>, UnboundedSender<(Role, Frame)>, Frame);
+
+/// What the request's frames amount to, one at a time.
+pub(crate) enum Step {
+    Text(String),
+    Finished(FinishReason, Usage),
+    Failed(ApiError),
+}
+
+impl Run {
+    /// Sends the request to the workers it needs (decode first when disaggregated).
+    pub(crate) fn submit(
+        state: Arc<AppState>,
+        job: Job,
+        permit: TenantPermit,
+        slot: OwnedSemaphorePermit,
+    ) -> Result<Run, ApiError> {
+        let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
+        let (tx, rx) = unbounded_channel();
+        let tenant = permit.tenant().id;
+        let submit = |plan| {
+            Frame::Submit(Submit {
+                request: id,
+                tenant,
+                prompt: job.prompt.clone(),
+                max_tokens: job.max_tokens,
+                sampling: job.sampling.clone(),
+                stop: job.stop.clone(),
+                ignore_eos: job.ignore_eos,
+                plan,
+            })
+        };
+        let no_worker = |role| ApiError::NoWorkers {
+            message: format!("no {} worker is available; retry shortly", role_name(role)),
+        };
+        let (workers, phase) = if state.cluster.has_role(Role::Unified) {
+            let worker = state
+                .cluster
+                .pick(Role::Unified)
+                .ok_or(no_worker(Role::Unified))?;
+            if !worker.submit(id, tx, submit(Plan::Unified)) {
+                return Err(no_worker(Role::Unified));
+            }
+            (vec![worker], Phase::Prefilling)
+        } else {
+            let decode = state
+                .cluster
+                .pick(Role::Decode)
+                .ok_or(no_worker(Role::Decode))?;
+            let prefill = state
+                .cluster
+                .pick(Role::Prefill)
+                .ok_or(no_worker(Role::Prefill))?;
+            let transfer = TransferId(state.transfer_salt | id.0);
+            if !decode.submit(id, tx.clone(), submit(Plan::Decode { transfer })) {
+                return Err(no_worker(Role::Decode));
+            }
+            let prefill_submit = submit(Plan::Prefill {
+                transfer,
+                decode_addr: decode.addr.clone(),
+            });
+            let prefill = (prefill, tx, prefill_submit);
+            (vec![decode], Phase::Reserving { prefill })
+        };
+        state.waiting.fetch_add(1, Ordering::Relaxed);
+        Ok(Run {
+            state,
+            id,
+            job,
+            workers,
+            rx,
+            arrived: Instant::now(),
+            phase,
+            _permit: permit,
+            _slot: slot,
+        })
+    }
+
+    /// The client's answer: a stream or the whole text, once the workers have started.
+    pub(crate) async fn answer(mut self) -> Result<Response, ApiError> {
+        self.wait_started().await?;
+        if self.job.stream {
+            Ok(crate::stream::response(self))
+        } else {
+            self.collect().await
+        }
+    }
+
+    pub(crate) fn include_usage(&self) -> bool {
+        self.job.include_usage
+    }
+
+    pub(crate) fn has_ended(&self) -> bool {
+        matches!(self.phase, Phase::Ended(_))
+    }
+
+    /// What every answer of this request shares.
+    pub(crate) fn head(&self) -> Head {
+        let prefix = match self.job.endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+        };
+        Head {
+            endpoint: self.job.endpoint,
+            id: format!("{prefix}-{:016x}", self.state.transfer_salt | self.id.0),
+            model: self.state.config.model_id.clone(),
+        }
+    }
+
+    /// Waits until decode has sealed a verified transfer (or unified has prefilled): only
+    /// then may a 200 go out.
+    async fn wait_started(&mut self) -> Result<(), ApiError> {
+        let deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
+        loop {
+            let frame = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some((_, frame))) => frame,
+                Ok(None) => return Err(self.fail(ApiError::Internal)),
+                Err(_) => {
+                    let message = format!(
+                        "no answer from the workers within {:?}; retry later",
+                        self.state.config.start_timeout
+                    );
+                    return Err(self.fail(ApiError::Timeout { message }));
+                }
+            };
+            match frame {
+                Frame::Admitted { .. } => self.submit_prefill()?,
+                Frame::Started { .. } => {
+                    let sealed = matches!(self.phase, Phase::Prefilling) && self.workers.len() == 2;
+                    self.enter(Phase::Streaming { last_token: None });
+                    if sealed {
+                        self.state.metrics.inc(Counter::Transfers {
+                            outcome: TransferOutcome::Ok,
+                            reason: "sealed",
+                        });
+                    }
+                    return Ok(());
+                }
+                Frame::Failed {
+                    failure, message, ..
+                } => {
+                    let error = ApiError::from_failure(failure, message);
+                    self.count_transfer_failure(&error);
+                    return Err(self.fail(error));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Decode has reserved the pages: now prefill may start sending them.
+    fn submit_prefill(&mut self) -> Result<(), ApiError> {
+        match std::mem::replace(&mut self.phase, Phase::Prefilling) {
+            Phase::Reserving {
+                prefill: (prefill, tx, submit),
+            } => {
+                if !prefill.submit(self.id, tx, submit) {
+                    return Err(self.fail(ApiError::NoWorkers {
+                        message: "the prefill worker went away; retry".into(),
+                    }));
+                }
+                self.workers.push(prefill);
+            }
+            // A repeated or unified `Admitted`: nothing more to send.
+            other => self.phase = other,
+        }
+        Ok(())
+    }
+
+    fn count_transfer_failure(&self, error: &ApiError) {
+        if self.workers.len() == 2
+            && matches!(
+                error,
+                ApiError::TransferFailed { .. } | ApiError::Timeout { .. }
+            )
+        {
+            self.state.metrics.inc(Counter::Transfers {
+                outcome: TransferOutcome::Failed,
+                reason: error.code(),
+            });
+        }
+    }
+
+    /// Moves to `next`, leaving the queue-depth gauge when the wait for `Started` is over.
+    fn enter(&mut self, next: Phase) {
+        if self.phase.is_waiting() && !next.is_waiting() {
+            self.state.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.phase = next;
+    }
+
+    /// Ends the run with `error`, counted once; the drop aborts it on the other workers.
+    fn fail(&mut self, error: ApiError) -> ApiError {
+        self.state.metrics.inc(Counter::Requests {
+            outcome: RequestOutcome::Error,
+            reason: error.reason(),
+        });
+        self.enter(Phase::Ended(Ending::Failed));
+        error
+    }
+
+    /// The next thing the client should hear.
+    pub(crate) async fn next(&mut self) -> Step {
+        loop {
+            let Some((role, frame)) = self.rx.recv().await else {
+                return Step::Failed(self.fail(ApiError::Internal));
+            };
+            if role == Role::Prefill && matches!(self.phase, Phase::Streaming { .. }) {
+                continue;
+            }
+            match frame {
+                Frame::Text { text, .. } => {
+                    if let Phase::Streaming { last_token } = &mut self.phase {
+                        let now = Instant::now();
+                        match last_token.replace(now) {
+                            None => self
+                                .state
+                                .metrics
+                                .observe_ttft((now - self.arrived).as_secs_f64()),
+                            Some(last) => {
+                                self.state.metrics.observe_itl((now - last).as_secs_f64())
+                            }
+                        }
+                    }
+                    return Step::Text(text);
+                }
+                Frame::Finished {
+                    finish,
+                    prompt_tokens,
+                    completion_tokens,
+                    ..
+                } => {
+                    let finish = FinishReason::from(finish);
+                    self.state.metrics.inc(Counter::Requests {
+                        outcome: RequestOutcome::Ok,
+                        reason: finish.label(),
+                    });
+                    self.enter(Phase::Ended(Ending::Finished));
+                    return Step::Finished(finish, Usage::new(prompt_tokens, completion_tokens));
+                }
+                Frame::Failed {
+                    failure, message, ..
+                } => {
+                    let error = ApiError::from_failure(failure, message);
+                    return Step::Failed(self.fail(error));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Non-streaming: the whole answer, or the error (nothing was sent yet, so the error
+    /// gets its own status).
+    async fn collect(mut self) -> Result<Response, ApiError> {
+        let mut text = String::new();
+        loop {
+            match self.next().await {
+                Step::Text(piece) => text.push_str(&piece),
+                Step::Failed(error) => return Err(error),
+                Step::Finished(finish, usage) => {
+                    let whole = self.head().whole(text, finish, usage);
+                    return Ok(Json(whole).into_response());
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if self.phase.is_waiting() {
+            self.state.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        match self.phase {
+            Phase::Ended(Ending::Finished) => {
+                for worker in &self.workers {
+                    worker.forget(self.id);
+                }
+                return;
+            }
+            Phase::Ended(Ending::Failed) => {}
+            Phase::Reserving { .. } | Phase::Prefilling | Phase::Streaming { .. } => {
+                // The client is gone (or we gave up) before the end: abort through the
+                // protocol. The workers release their pages once it is safe; nothing here
+                // touches them.
+                tracing::debug!(request = self.id.0, "aborting request");
+                self.state.metrics.inc(Counter::Requests {
+                    outcome: RequestOutcome::Cancelled,
+                    reason: "client_gone",
+                });
+            }
+        }
+        for worker in &self.workers {
+            worker.send(Frame::Abort { request: self.id });
+            worker.forget(self.id);
+        }
+    }
+}
