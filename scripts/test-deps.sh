@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond Rust and the model: the official `openai` Python
-# client (the serving tests drive `airlock serve` with it), and a TrueType font for the chart
-# test of `airlock bench --plot` (Debian's fonts-dejavu-core; plotters renders text with
-# ab_glyph from a .ttf file, no fontconfig). Idempotent: nothing is downloaded when both are
+# client (the serving tests drive `airlock serve` with it), schemathesis (the OpenAPI fuzz
+# test, TEST-MATRIX A16, runs it against the served /openapi.json), and a TrueType font for
+# the chart test of `airlock bench --plot` (Debian's fonts-dejavu-core; plotters renders text
+# with ab_glyph from a .ttf file, no fontconfig). Idempotent: nothing is downloaded when all are
 # already there; pinned for reproducible CI.
 set -euo pipefail
 
 OPENAI_VERSION="3.57.0"
+SCHEMATHESIS_VERSION="4.32.5"
 FONT="${AIRLOCK_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}"
 
 if [ ! -f "$FONT" ]; then
@@ -22,12 +24,21 @@ if [ ! -f "$FONT" ]; then
     fi
 fi
 
-if python3 -c "import openai, sys; sys.exit(openai.__version__ != '$OPENAI_VERSION')" 2>/dev/null; then
+installed() {
+    python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" 2>/dev/null <<'PY'
+import sys
+from importlib.metadata import version
+sys.exit((version("openai"), version("schemathesis")) != tuple(sys.argv[1:]))
+PY
+}
+if installed; then
     exit 0
 fi
-echo "installing openai==$OPENAI_VERSION (Python client used by the tests)" >&2
+echo "installing openai==$OPENAI_VERSION and schemathesis==$SCHEMATHESIS_VERSION" \
+    "(Python tools the tests use)" >&2
 pip_install() {
-    python3 -m pip install --quiet --disable-pip-version-check "$@" "openai==$OPENAI_VERSION"
+    python3 -m pip install --quiet --disable-pip-version-check "$@" \
+        "openai==$OPENAI_VERSION" "schemathesis==$SCHEMATHESIS_VERSION"
 }
-# Debian's system Python refuses plain installs (PEP 668); this is a test-only dependency.
+# Debian's system Python refuses plain installs (PEP 668); these are test-only dependencies.
 pip_install || pip_install --break-system-packages

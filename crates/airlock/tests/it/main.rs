@@ -9,5 +9,6 @@ mod edge;
 mod fuzz;
 mod harness;
 mod matrix;
+mod openapi;
 mod processes;
 mod serving;
