@@ -69,10 +69,7 @@ pub(crate) async fn measure_prompts(
     base: Instant,
     markers: &mut Vec<(f64, String)>,
 ) -> Vec<PromptPoint> {
-    let Ok(client) = reqwest::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .build()
-    else {
+    let Ok(client) = client() else {
         return Vec::new();
     };
     let key = args.api_key.as_deref();
@@ -140,9 +137,7 @@ pub(crate) async fn measure(
     base: Instant,
     markers: &mut Vec<(f64, String)>,
 ) -> Result<Vec<LevelReport>> {
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(600))
-        .build()?;
+    let client = client()?;
     // One untimed request warms caches and lazy initialisation.
     let _ = one_request(
         &client,
@@ -277,4 +272,14 @@ pub(crate) async fn one_request(
         tokens: times.len(),
         prompt_tokens,
     })
+}
+
+/// The load generator's client: a fresh connection per request. A kept-alive one can be closed
+/// by the server just as the next request goes out (llama-server closes each after a few
+/// requests), which fails that request for a reason no user of a real client would see.
+fn client() -> Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .pool_max_idle_per_host(0)
+        .build()?)
 }

@@ -42,7 +42,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", binary.display()))?;
-        let server = Server {
+        let mut server = Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
             model_id: model_args::DEFAULT_MODEL_NAME.to_string(),
@@ -90,7 +90,7 @@ impl Server {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {name}"))?;
-        let server = Server {
+        let mut server = Server {
             child,
             url,
             model_id,
@@ -100,12 +100,16 @@ impl Server {
         Ok(server)
     }
 
-    pub(crate) fn wait_ready(&self, name: &str, key: Option<&str>) -> Result<()> {
+    /// Polls /v1/models until it answers; fails at once if the server exits first.
+    pub(crate) fn wait_ready(&mut self, name: &str, key: Option<&str>) -> Result<()> {
         let deadline = Instant::now() + Duration::from_secs(120);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
         while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("{name} exited before it served ({status}); run it by hand to see why");
+            }
             if runtime.block_on(model_id(&self.url, key)).is_ok() {
                 return Ok(());
             }

@@ -161,7 +161,10 @@ pub struct Limits<'a> {
     pub default_max_tokens: usize,
 }
 
+/// Longest stop string a client may send. Far below what a Submit frame carries, so every
+/// request the router accepts is one the worker link can encode.
 const STOP_BYTES_MAX: usize = 256;
+const _: () = assert!(STOP_BYTES_MAX <= transfer::MAX_STRING_BYTES);
 
 // The untagged enums' schemas are written out: a `oneOf` of what each variant accepts, with
 // the bounds the derive cannot put on a variant's field.
