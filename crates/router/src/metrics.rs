@@ -1,14 +1,14 @@
 //! Prometheus text exposition, hand-rolled: a few labelled counters, two histograms, and
 //! gauges read from the workers' latest pool reports at scrape time.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// One increment of a counter, with its labels: each counter's name and label set is fixed
 /// by its variant, so a wrong name or a missing label does not compile.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Counter {
     /// `airlock_requests_total{outcome, reason}`; `reason` is the finish reason or error code.
     Requests {
@@ -28,21 +28,21 @@ pub enum Counter {
     WorkersRefused { reason: &'static str },
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RequestOutcome {
     Ok,
     Error,
     Cancelled,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TransferOutcome {
     Ok,
     Failed,
 }
 
 /// The counters' names in the order /metrics lists them, with their help text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CounterName {
     Requests,
     Transfers,
@@ -136,7 +136,8 @@ const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 const ITL_BUCKETS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
 
 pub struct Metrics {
-    counters: Mutex<BTreeMap<(CounterName, String), u64>>,
+    /// Keyed by the increment itself: labels are rendered at scrape time, not per request.
+    counters: Mutex<HashMap<Counter, u64>>,
     ttft: Histogram,
     itl: Histogram,
     http_connections_open: AtomicUsize,
@@ -179,7 +180,7 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Metrics {
         Metrics {
-            counters: Mutex::new(BTreeMap::new()),
+            counters: Mutex::new(HashMap::new()),
             ttft: Histogram::new(
                 "airlock_ttft_seconds",
                 "Time from request arrival to its first token.",
@@ -199,7 +200,7 @@ impl Metrics {
             .counters
             .lock()
             .expect("metrics lock is never held across a panic")
-            .entry((counter.name(), counter.labels()))
+            .entry(counter)
             .or_insert(0) += 1;
     }
 
@@ -225,10 +226,14 @@ impl Metrics {
         for counter_name in CounterName::ALL {
             let (name, help) = (counter_name.name(), counter_name.help());
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-            for ((counter, labels), value) in counters.iter() {
-                if *counter == counter_name {
-                    let _ = writeln!(out, "{name}{labels} {value}");
-                }
+            let mut rows: Vec<(String, u64)> = counters
+                .iter()
+                .filter(|(counter, _)| counter.name() == counter_name)
+                .map(|(counter, value)| (counter.labels(), *value))
+                .collect();
+            rows.sort();
+            for (labels, value) in rows {
+                let _ = writeln!(out, "{name}{labels} {value}");
             }
         }
         drop(counters);
