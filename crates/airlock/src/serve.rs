@@ -68,6 +68,11 @@ pub struct CommonArgs {
     /// Zero each KV page when it is freed
     #[arg(long, env = "AIRLOCK_SCRUB_ON_FREE")]
     pub scrub_on_free: bool,
+    /// Never reuse cached prompt pages. By default each worker keeps the full pages of every
+    /// prompt and reuses them for later prompts that start the same way, only for the same
+    /// tenant and cache_salt; a tenant opts out with prefix_cache = false in the keys file
+    #[arg(long, env = "AIRLOCK_NO_PREFIX_CACHE")]
+    pub no_prefix_cache: bool,
     /// Requests that may wait for KV pages per worker; more get 503
     #[arg(long, env = "AIRLOCK_QUEUE_MAX", default_value_t = 256)]
     pub queue_max: usize,
@@ -522,6 +527,7 @@ async fn run_router(
         start_timeout: Duration::from_millis(args.queue_timeout_ms + args.transfer_timeout_ms),
         body_timeout: Duration::from_millis(args.http.body_timeout_ms),
         cors_allow_origins: args.http.cors_allow_origin.clone(),
+        prefix_cache: !args.no_prefix_cache,
     };
     let open = tenants.is_open();
     let state = Arc::new(AppState::new(

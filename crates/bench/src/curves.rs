@@ -383,6 +383,7 @@ pub fn transfer_sweep(
                 expect.tokens as u32,
                 layout.page_size_tokens as u32,
                 page_bytes,
+                0,
             );
             let _ = ready_tx.send(());
             let verdict = loop {

@@ -22,8 +22,11 @@
 #![forbid(unsafe_code)]
 
 mod pool;
+mod prefix;
+mod shared;
 
 pub use pool::{PagePool, PageTable, PageView};
+pub use prefix::{CachedPrefix, Partition, PrefixCache, PrefixStats};
 
 /// The value scrub-on-free writes into every element of a freed page.
 ///
@@ -69,17 +72,24 @@ pub enum PageState {
     /// Fate unknown (a transfer may still land bytes in it): neither read nor reused until the
     /// holder of the table has proof and releases it.
     Quarantined,
+    /// A full page published in the prefix cache: read-only, held by its tenant (not by one
+    /// request) and refcounted by the tables that reference it. Only [`PagePool::share`]
+    /// enters this state and only [`PagePool::evict`] leaves it, so `set_state` never moves a
+    /// page in or out.
+    Shared,
 }
 
 impl PageState {
     /// Whether `set_state` may move a page from `self` to `to`: the one transition table, which
     /// the pool enforces and `spec`'s model of the pool checks with.
     pub fn may_become(self, to: PageState) -> bool {
-        use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Writing};
+        use PageState::{Free, Quarantined, Receiving, Sealed, Sending, Shared, Writing};
         match (self, to) {
             // Free is entered only by release and left only by allocation, which keep the
             // free list in step with the headers.
             (Free, _) | (_, Free) => false,
+            // Shared is entered only by share and left only by eviction.
+            (Shared, _) | (_, Shared) => false,
             (from, to) if from == to => true,
             (Writing, Sealed | Receiving | Quarantined) => true,
             (Sealed, Writing | Sending | Quarantined) => true,
@@ -90,10 +100,20 @@ impl PageState {
     }
 }
 
-/// The tag every physical page carries. `owner` is `None` exactly when the page is `Free`.
+/// Who holds a page that is not free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Holder {
+    /// One request's private page.
+    Request(Owner),
+    /// A prefix-cache page of this tenant, readable by that tenant's requests only.
+    Tenant(TenantId),
+}
+
+/// The tag every physical page carries. `holder` is `None` exactly when the page is `Free`;
+/// it is `Holder::Tenant` exactly when the page is `Shared`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PageHeader {
-    pub owner: Option<Owner>,
+    pub holder: Option<Holder>,
     pub generation: Generation,
     pub state: PageState,
 }
@@ -231,8 +251,18 @@ pub enum Error {
     #[error("page {page:?} belongs to {found:?}, the table claims {expected:?}")]
     OwnerMismatch {
         page: PageId,
-        expected: Owner,
-        found: Option<Owner>,
+        expected: Holder,
+        found: Option<Holder>,
+    },
+    #[error("page {page:?} is a shared prefix-cache page: {reason}")]
+    SharedPage { page: PageId, reason: &'static str },
+    #[error(
+        "a step writes position {position}, inside the {shared_tokens} tokens of shared \
+         prefix-cache pages, which are read-only"
+    )]
+    WriteToShared {
+        position: usize,
+        shared_tokens: usize,
     },
     #[error("page {page:?} is at generation {found:?}, the table recorded {expected:?}")]
     StaleGeneration {
@@ -254,5 +284,7 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod tests;

@@ -6,24 +6,28 @@ use half::f16;
 use hugemem::HugeBuffer;
 
 use crate::{
-    Error, Generation, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
+    Error, Generation, Holder, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
     PoolSize, Result, SCRUB_FILL,
 };
 
 /// A request's pages, as it recorded them: (page, generation at allocation). NOT proof of
 /// anything: every use goes back to the headers through the pool.
+///
+/// The first `shared` entries are prefix-cache pages of the owner's tenant (read-only, held
+/// by reference); the rest are the request's own.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PageTable {
-    owner: Owner,
-    pages: Vec<(PageId, Generation)>,
+    pub(crate) owner: Owner,
+    pub(crate) pages: Vec<(PageId, Generation)>,
+    pub(crate) shared: usize,
 }
 
 /// A fixed set of preallocated, owner-tagged KV pages.
 pub struct PagePool {
-    layout: KvLayout,
+    pub(crate) layout: KvLayout,
     scrub_on_free: bool,
     /// One header per page, indexed by `PageId`.
-    headers: Vec<PageHeader>,
+    pub(crate) headers: Vec<PageHeader>,
     /// Every page's KV bytes, page after page (`layout.page_elems()` each), in one buffer:
     /// one allocation however many pages, advised for huge pages (attention's scattered reads
     /// measured the same on them, BENCHMARKS.md). A batch still holds disjoint `&mut` to its
@@ -32,7 +36,10 @@ pub struct PagePool {
     /// Per page: slots `0..written_tokens` hold K/V written since the page's last allocation;
     /// the rest still hold whatever an earlier owner left (pages are not zeroed), so nothing
     /// may read them. Reset at every allocation.
-    written_tokens: Vec<usize>,
+    pub(crate) written_tokens: Vec<usize>,
+    /// Per page: how many tables reference it while it is `Shared` (0 otherwise). A shared
+    /// page with no reference is only cached, and the one kind eviction may free.
+    pub(crate) refs: Vec<u32>,
     /// LIFO: the most recently freed page is reused first, which makes a stale read show up
     /// at once in tests instead of hiding behind untouched pages.
     free: Vec<PageId>,
@@ -42,10 +49,16 @@ pub struct PagePool {
     owner_check_off: bool,
 }
 
-/// One verified page, borrowed: its KV bytes and its count of written token slots.
-struct Page<'p> {
-    data: &'p mut [f16],
-    written_tokens: &'p mut usize,
+/// One verified page, borrowed.
+enum Page<'p> {
+    /// The request's own page: its KV bytes and its count of written token slots.
+    Private {
+        data: &'p mut [f16],
+        written_tokens: &'p mut usize,
+    },
+    /// A full prefix-cache page of the request's tenant: read-only, and possibly in other
+    /// views of the same batch.
+    Shared { data: &'p [f16] },
 }
 
 /// Proof that a table's pages were checked: `&'p mut` to exactly the table's pages, in table
@@ -54,6 +67,8 @@ struct Page<'p> {
 pub struct PageView<'p> {
     owner: Owner,
     layout: KvLayout,
+    /// Leading pages that are shared (read-only).
+    shared: usize,
     pages: Vec<Page<'p>>,
 }
 
@@ -66,6 +81,16 @@ impl PageTable {
         &self.pages
     }
 
+    /// How many leading pages are shared prefix-cache pages.
+    pub fn shared_pages(&self) -> usize {
+        self.shared
+    }
+
+    /// The request's own pages, past the shared prefix.
+    pub fn private_pages(&self) -> &[(PageId, Generation)] {
+        &self.pages[self.shared..]
+    }
+
     /// Tokens the recorded pages can hold under `layout`.
     pub fn capacity_tokens(&self, layout: &KvLayout) -> usize {
         self.pages.len() * layout.page_size_tokens
@@ -75,13 +100,37 @@ impl PageTable {
     /// tables it never issued.
     #[cfg(any(test, feature = "test-support"))]
     pub fn forge(owner: Owner, pages: Vec<(PageId, Generation)>) -> PageTable {
-        PageTable { owner, pages }
+        PageTable {
+            owner,
+            pages,
+            shared: 0,
+        }
+    }
+
+    /// A forged table whose first `shared` entries claim to be shared prefix-cache pages.
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn forge_shared(
+        owner: Owner,
+        pages: Vec<(PageId, Generation)>,
+        shared: usize,
+    ) -> PageTable {
+        assert!(shared <= pages.len(), "shared prefix within the table");
+        PageTable {
+            owner,
+            pages,
+            shared,
+        }
+    }
+
+    /// Whether entry `position` is a shared page.
+    fn is_shared(&self, position: usize) -> bool {
+        position < self.shared
     }
 }
 
 /// What state a checked page must be in.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Access {
+pub(crate) enum Access {
     /// Its bytes are about to be handed out: `Writing` or `Sealed` only.
     Bytes,
     /// Only its header changes (release, extend, state change): any state the owner holds.
@@ -91,10 +140,11 @@ enum Access {
 }
 
 /// One page a batch claims, and where it goes back: table `table_index`, slot `position`.
-struct Claim {
+pub(crate) struct Claim {
     page: PageId,
     table_index: usize,
     position: usize,
+    shared: bool,
 }
 
 impl PagePool {
@@ -131,7 +181,7 @@ impl PagePool {
             f16::ZERO
         };
         let header = PageHeader {
-            owner: None,
+            holder: None,
             generation: Generation(0),
             state: PageState::Free,
         };
@@ -155,6 +205,7 @@ impl PagePool {
             headers: vec![header; page_count],
             storage,
             written_tokens: vec![0; page_count],
+            refs: vec![0; page_count],
             // Reversed so that a fresh pool hands out page 0 first.
             free: (0..page_count as u32).rev().map(PageId).collect(),
             #[cfg(feature = "fault-injection")]
@@ -219,6 +270,7 @@ impl PagePool {
         let mut table = PageTable {
             owner,
             pages: Vec::with_capacity(needed),
+            shared: 0,
         };
         self.take_free_pages(&mut table, needed)?;
         Ok(table)
@@ -235,28 +287,48 @@ impl PagePool {
         self.take_free_pages(table, needed)
     }
 
-    /// Free the table's pages after verifying that every page still belongs to it (owner and
-    /// generation), scrubbing them if configured. A table that does not verify frees nothing.
+    /// Free the table's own pages after verifying that every page still belongs to it (owner
+    /// and generation), scrubbing them if configured, and drop its references to shared
+    /// pages (which stay cached until evicted). A table that does not verify frees nothing.
     ///
     /// Any state the owner holds can be released, `Quarantined` included: releasing is how
     /// the holder says the proof has arrived.
     pub fn release(&mut self, table: PageTable) -> Result<()> {
         self.verify_tables(&[&table], Access::Header)?;
+        // A shared page still verifies after its table was released once (it is its
+        // tenant's, not the request's): the count is what catches a second release.
+        if let Some(&(page, _)) = table.pages[..table.shared]
+            .iter()
+            .find(|(page, _)| self.refs[page.index()] == 0)
+        {
+            return Err(Error::SharedPage {
+                page,
+                reason: "released more often than it was referenced",
+            });
+        }
+        for &(page, _) in &table.pages[..table.shared] {
+            self.refs[page.index()] -= 1;
+        }
         // Pushed in reverse so the next allocation pops them back in the table's order.
-        for &(page, _) in table.pages.iter().rev() {
-            let header = &mut self.headers[page.index()];
-            assert!(
-                header.state != PageState::Free,
-                "verified page {page:?} is already free"
-            );
-            header.owner = None;
-            header.state = PageState::Free;
-            if self.scrub_on_free {
-                self.storage[self.layout.page_range(page.index())].fill(SCRUB_FILL);
-            }
-            self.free.push(page);
+        for &(page, _) in table.private_pages().iter().rev() {
+            self.free_page(page);
         }
         Ok(())
+    }
+
+    /// Puts one held page back on the free list (scrubbing it if configured).
+    pub(crate) fn free_page(&mut self, page: PageId) {
+        let header = &mut self.headers[page.index()];
+        assert!(
+            header.state != PageState::Free,
+            "verified page {page:?} is already free"
+        );
+        header.holder = None;
+        header.state = PageState::Free;
+        if self.scrub_on_free {
+            self.storage[self.layout.page_range(page.index())].fill(SCRUB_FILL);
+        }
+        self.free.push(page);
     }
 
     /// Move every page of a verified table to `state`, all or nothing.
@@ -266,9 +338,11 @@ impl PagePool {
     /// Sending | Quarantined; Sending -> Sealed (transfer aborted, pages kept) | Quarantined;
     /// Receiving -> Sealed (transfer verified, I4) | Quarantined. Nothing leaves Quarantined
     /// but `release`, and nothing becomes Free but through `release`.
+    ///
+    /// Only the table's own pages change: its shared pages stay `Shared`.
     pub fn set_state(&mut self, table: &PageTable, state: PageState) -> Result<()> {
         self.verify_tables(&[table], Access::Header)?;
-        for &(page, _) in &table.pages {
+        for &(page, _) in table.private_pages() {
             let from = self.headers[page.index()].state;
             if !from.may_become(state) {
                 return Err(Error::InvalidTransition {
@@ -278,7 +352,7 @@ impl PagePool {
                 });
             }
         }
-        for &(page, _) in &table.pages {
+        for &(page, _) in table.private_pages() {
             self.headers[page.index()].state = state;
         }
         Ok(())
@@ -286,7 +360,8 @@ impl PagePool {
 
     /// The only way to touch KV bytes. Checks every page of every table (owner and generation
     /// match the header, state is `Writing` or `Sealed`, no page appears twice across the
-    /// whole batch) and returns one view per table, in order.
+    /// whole batch) and returns one view per table, in order. A table's shared entries must
+    /// be `Shared` pages of its own tenant; they may appear in several tables, read-only.
     ///
     /// Cost: O(k log k) for the k pages of the batch (a sort that also finds duplicates), none
     /// of it proportional to the pool's size.
@@ -295,8 +370,9 @@ impl PagePool {
     }
 
     /// The view a receiver writes a transfer's bytes through: the same owner and generation
-    /// checks as [`PagePool::verify_batch`], but only for pages in `Receiving`, so bytes from
-    /// a transfer can never land in pages that are being read or sent.
+    /// checks as [`PagePool::verify_batch`], but only for own pages in `Receiving`, so bytes
+    /// from a transfer can never land in pages that are being read or sent. Shared entries
+    /// (pages the receiver already holds from its cache) are in the view read-only.
     pub fn verify_receiving<'p>(&'p mut self, table: &PageTable) -> Result<PageView<'p>> {
         let mut views = self.views(&[table], Access::Receive)?;
         Ok(views.pop().expect("one view per table"))
@@ -316,7 +392,14 @@ impl PagePool {
         let mut rest_data: &'p mut [f16] = &mut self.storage;
         let mut rest_written: &'p mut [usize] = &mut self.written_tokens;
         let mut rest_first_index = 0;
+        // The last shared page split off, for the next claims of the same page.
+        let mut last_shared: Option<(PageId, &'p [f16])> = None;
         for claim in claims {
+            if let Some((page, data)) = last_shared.filter(|(page, _)| *page == claim.page) {
+                slots[claim.table_index][claim.position] = Some(Page::Shared { data });
+                last_shared = Some((page, data));
+                continue;
+            }
             let skip = claim.page.index() - rest_first_index;
             let (_, from_claim) = std::mem::take(&mut rest_data).split_at_mut(skip * page_elems);
             let (data, after) = from_claim.split_at_mut(page_elems);
@@ -324,10 +407,17 @@ impl PagePool {
             let (written_tokens, written_after) = written_from_claim
                 .split_first_mut()
                 .expect("a verified page id is below page_count, so the tail is not empty");
-            slots[claim.table_index][claim.position] = Some(Page {
-                data,
-                written_tokens,
-            });
+            let page = if claim.shared {
+                let data: &'p [f16] = data;
+                last_shared = Some((claim.page, data));
+                Page::Shared { data }
+            } else {
+                Page::Private {
+                    data,
+                    written_tokens,
+                }
+            };
+            slots[claim.table_index][claim.position] = Some(page);
             rest_data = after;
             rest_written = written_after;
             rest_first_index = claim.page.index() + 1;
@@ -338,6 +428,7 @@ impl PagePool {
             .map(|(table, table_slots)| PageView {
                 owner: table.owner,
                 layout,
+                shared: table.shared,
                 pages: table_slots
                     .into_iter()
                     .map(|slot| slot.expect("every claim of every table was filled above"))
@@ -387,8 +478,22 @@ impl PagePool {
             );
             assert_eq!(
                 is_free,
-                header.owner.is_none(),
-                "page {index}: Free iff no owner"
+                header.holder.is_none(),
+                "page {index}: Free iff no holder"
+            );
+            let is_shared = header.state == PageState::Shared;
+            assert_eq!(
+                is_shared,
+                matches!(header.holder, Some(Holder::Tenant(_))),
+                "page {index}: Shared iff held by a tenant"
+            );
+            assert!(
+                is_shared || self.refs[index] == 0,
+                "page {index}: only shared pages are referenced"
+            );
+            assert!(
+                !is_shared || self.written_tokens[index] == self.layout.page_size_tokens,
+                "page {index}: shared pages are full"
             );
             if !is_free {
                 assert!(
@@ -418,10 +523,13 @@ impl PagePool {
                 header.state == PageState::Free,
                 "{page:?} on free list is not Free"
             );
-            assert!(header.owner.is_none(), "{page:?} on free list has an owner");
+            assert!(
+                header.holder.is_none(),
+                "{page:?} on free list has a holder"
+            );
             let next = header.generation.0.checked_add(1);
             header.generation = Generation(next.expect("2^64 allocations of one page"));
-            header.owner = Some(table.owner);
+            header.holder = Some(Holder::Request(table.owner));
             header.state = PageState::Writing;
             self.written_tokens[page.index()] = 0;
             table.pages.push((page, header.generation));
@@ -432,21 +540,38 @@ impl PagePool {
     /// Check every page of every table against its header, then that no page is claimed
     /// twice. Returns the claims sorted by page id. Errors name the first failing page in
     /// table order; duplicates are reported after all headers passed.
-    fn verify_tables(&self, tables: &[&PageTable], access: Access) -> Result<Vec<Claim>> {
+    ///
+    /// A shared page may be claimed by several tables (each claim verified as shared); a
+    /// request's own page only once.
+    pub(crate) fn verify_tables(
+        &self,
+        tables: &[&PageTable],
+        access: Access,
+    ) -> Result<Vec<Claim>> {
         let claim_count = tables.iter().map(|table| table.pages.len()).sum();
         let mut claims = Vec::with_capacity(claim_count);
         for (table_index, table) in tables.iter().enumerate() {
             for (position, &(page, generation)) in table.pages.iter().enumerate() {
-                self.verify_page(page, table.owner, generation, access)?;
+                let shared = table.is_shared(position);
+                let holder = if shared {
+                    Holder::Tenant(table.owner.tenant)
+                } else {
+                    Holder::Request(table.owner)
+                };
+                self.verify_page(page, holder, generation, access)?;
                 claims.push(Claim {
                     page,
                     table_index,
                     position,
+                    shared,
                 });
             }
         }
         claims.sort_unstable_by_key(|claim| claim.page);
-        if let Some(pair) = claims.windows(2).find(|pair| pair[0].page == pair[1].page) {
+        let twice = claims
+            .windows(2)
+            .find(|pair| pair[0].page == pair[1].page && !(pair[0].shared && pair[1].shared));
+        if let Some(pair) = twice {
             return Err(Error::DuplicatePage { page: pair[0].page });
         }
         Ok(claims)
@@ -457,7 +582,7 @@ impl PagePool {
     fn verify_page(
         &self,
         page: PageId,
-        owner: Owner,
+        holder: Holder,
         generation: Generation,
         access: Access,
     ) -> Result<()> {
@@ -475,17 +600,20 @@ impl PagePool {
                 found: header.generation,
             });
         }
-        if !skip && header.owner != Some(owner) {
+        if !skip && header.holder != Some(holder) {
             return Err(Error::OwnerMismatch {
                 page,
-                expected: owner,
-                found: header.owner,
+                expected: holder,
+                found: header.holder,
             });
         }
+        let shared = matches!(holder, Holder::Tenant(_));
+        // A shared claim is only ever read, whatever the access: it never receives bytes.
         let allowed = match access {
+            _ if shared => header.state == PageState::Shared,
             Access::Bytes => matches!(header.state, PageState::Writing | PageState::Sealed),
             Access::Receive => header.state == PageState::Receiving,
-            Access::Header => true,
+            Access::Header => header.state != PageState::Shared,
         };
         if !allowed {
             return Err(Error::PageNotReadable {
@@ -528,16 +656,25 @@ impl<'p> PageView<'p> {
         self.pages.len()
     }
 
+    /// Tokens held by the leading shared (read-only) pages: positions a step may read but
+    /// never write.
+    pub fn shared_tokens(&self) -> usize {
+        self.shared * self.layout.page_size_tokens
+    }
+
     /// The slots of one (layer, kind, kv_head) in page number `page_index` of this table
     /// (`page_size_tokens * head_dim` f16, slot-major).
     ///
     /// Panics when an index is out of range: that is a bug in the caller, not bad input.
     pub fn head(&self, page_index: usize, layer: usize, kind: KvKind, kv_head: usize) -> &[f16] {
         let start = self.layout.head_offset(layer, kind, kv_head);
-        &self.pages[page_index].data[start..start + self.layout.head_elems()]
+        &self.page(page_index)[start..start + self.layout.head_elems()]
     }
 
     /// Mutable form of [`PageView::head`].
+    ///
+    /// Panics on a shared page: callers check first that a step writes past
+    /// [`PageView::shared_tokens`] (the model's `checked_views` refuses the step otherwise).
     pub fn head_mut(
         &mut self,
         page_index: usize,
@@ -547,28 +684,41 @@ impl<'p> PageView<'p> {
     ) -> &mut [f16] {
         let start = self.layout.head_offset(layer, kind, kv_head);
         let head_elems = self.layout.head_elems();
-        &mut self.pages[page_index].data[start..start + head_elems]
+        &mut self.page_mut(page_index)[start..start + head_elems]
     }
 
     /// All of page number `page_index` of this table (`layout.page_elems()` f16), e.g. to
     /// checksum or send it whole.
     pub fn page(&self, page_index: usize) -> &[f16] {
-        &self.pages[page_index].data[..]
+        match &self.pages[page_index] {
+            Page::Private { data, .. } => data,
+            Page::Shared { data } => data,
+        }
     }
 
-    /// Mutable form of [`PageView::page`].
+    /// Mutable form of [`PageView::page`]. Panics on a shared page, which is read-only.
     pub fn page_mut(&mut self, page_index: usize) -> &mut [f16] {
-        &mut self.pages[page_index].data[..]
+        match &mut self.pages[page_index] {
+            Page::Private { data, .. } => data,
+            Page::Shared { .. } => {
+                panic!("page {page_index} of this table is a shared prefix-cache page: read-only")
+            }
+        }
     }
 
     /// Tokens written from the start of the table since its pages were allocated: positions
-    /// at or past this still hold an earlier owner's bytes and must not be read.
+    /// at or past this still hold an earlier owner's bytes and must not be read. Shared pages
+    /// are always full.
     pub fn written_tokens(&self) -> usize {
         let page_size = self.layout.page_size_tokens;
         let mut written = 0;
         for page in &self.pages {
-            written += *page.written_tokens;
-            if *page.written_tokens < page_size {
+            let page_written = match page {
+                Page::Private { written_tokens, .. } => **written_tokens,
+                Page::Shared { .. } => page_size,
+            };
+            written += page_written;
+            if page_written < page_size {
                 break;
             }
         }
@@ -576,6 +726,7 @@ impl<'p> PageView<'p> {
     }
 
     /// Records that positions `0..tokens` now hold this owner's K/V. Panics past capacity.
+    /// Shared pages are full already and are left as they are.
     pub fn mark_written(&mut self, tokens: usize) {
         assert!(
             tokens <= self.capacity_tokens(),
@@ -583,7 +734,9 @@ impl<'p> PageView<'p> {
         );
         let page_size = self.layout.page_size_tokens;
         for (i, page) in self.pages.iter_mut().enumerate() {
-            *page.written_tokens = tokens.saturating_sub(i * page_size).min(page_size);
+            if let Page::Private { written_tokens, .. } = page {
+                **written_tokens = tokens.saturating_sub(i * page_size).min(page_size);
+            }
         }
     }
 }
@@ -600,7 +753,7 @@ impl fmt::Debug for PageView<'_> {
 }
 
 impl PageId {
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         self.0 as usize
     }
 }

@@ -2,19 +2,19 @@ use half::f16;
 use stats::SplitMix64;
 
 use crate::{
-    Error, Generation, KvKind, KvLayout, Owner, PageId, PagePool, PageState, PageTable, PoolConfig,
-    PoolSize, RequestId, TenantId, SCRUB_FILL,
+    Error, Generation, Holder, KvKind, KvLayout, Owner, PageId, PagePool, PageState, PageTable,
+    PoolConfig, PoolSize, RequestId, TenantId, SCRUB_FILL,
 };
 
 /// Small but with every dimension > 1, so a wrong offset formula lands somewhere visible.
-const LAYOUT: KvLayout = KvLayout {
+pub(crate) const LAYOUT: KvLayout = KvLayout {
     layer_count: 2,
     kv_head_count: 2,
     head_dim: 4,
     page_size_tokens: 4,
 };
 
-fn pool(page_count: usize, scrub_on_free: bool) -> PagePool {
+pub(crate) fn pool(page_count: usize, scrub_on_free: bool) -> PagePool {
     let size = PoolSize::Tokens(page_count * LAYOUT.page_size_tokens);
     let pool = PagePool::new(PoolConfig {
         layout: LAYOUT,
@@ -26,7 +26,7 @@ fn pool(page_count: usize, scrub_on_free: bool) -> PagePool {
     pool
 }
 
-fn owner(tenant: u64, request: u64) -> Owner {
+pub(crate) fn owner(tenant: u64, request: u64) -> Owner {
     Owner {
         tenant: TenantId(tenant),
         request: RequestId(request),
@@ -34,7 +34,7 @@ fn owner(tenant: u64, request: u64) -> Owner {
 }
 
 /// Fill every page of the table with `value` through a verified view.
-fn fill(pool: &mut PagePool, table: &PageTable, value: f16) {
+pub(crate) fn fill(pool: &mut PagePool, table: &PageTable, value: f16) {
     let mut views = pool
         .verify_batch(&[table])
         .expect("the caller passes a live table");
@@ -44,7 +44,7 @@ fn fill(pool: &mut PagePool, table: &PageTable, value: f16) {
 }
 
 /// Every element of every page of the table, read through a fresh verified view.
-fn read_all(pool: &mut PagePool, table: &PageTable) -> Vec<f16> {
+pub(crate) fn read_all(pool: &mut PagePool, table: &PageTable) -> Vec<f16> {
     let views = pool
         .verify_batch(&[table])
         .expect("the caller passes a live table");
@@ -110,7 +110,7 @@ fn fresh_pages_start_writing_at_generation_one() {
         &[(PageId(0), Generation(1)), (PageId(1), Generation(1))]
     );
     let header = pool.header(PageId(1)).expect("page 1 exists");
-    assert_eq!(header.owner, Some(owner(1, 1)));
+    assert_eq!(header.holder, Some(Holder::Request(owner(1, 1))));
     assert_eq!(header.state, PageState::Writing);
     assert!(pool.header(PageId(2)).is_none());
 }
@@ -299,8 +299,8 @@ fn i1_forged_table_claiming_another_owners_page_fails() {
     let table_b = pool.allocate(owner(2, 2), 4).expect("fits");
     let forged = PageTable::forge(owner(1, 1), table_b.pages().to_vec());
     let error = pool.verify_batch(&[&forged]).unwrap_err();
-    let expected = owner(1, 1);
-    let found = Some(owner(2, 2));
+    let expected = Holder::Request(owner(1, 1));
+    let found = Some(Holder::Request(owner(2, 2)));
     assert!(
         matches!(error, Error::OwnerMismatch { page: PageId(0), expected: e, found: f }
             if e == expected && f == found),

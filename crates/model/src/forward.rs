@@ -114,6 +114,13 @@ pub(crate) fn checked_views<'p>(
             let capacity = view.capacity_tokens();
             return Err(Error::PageTableTooSmall { needed, capacity });
         }
+        // Shared prefix-cache pages are read-only: a step writes only past them.
+        if step.start_pos < view.shared_tokens() {
+            return Err(Error::Kv(kv::Error::WriteToShared {
+                position: step.start_pos,
+                shared_tokens: view.shared_tokens(),
+            }));
+        }
         // Slots past what this owner wrote hold an earlier owner's K/V: attending to them
         // would answer from someone else's memory.
         if step.start_pos > view.written_tokens() {

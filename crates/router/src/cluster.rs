@@ -11,8 +11,8 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, Transport};
 use transfer::{
-    connect_handshake, ClusterSecret, Expectation, Failure, Frame, HandshakeError, PeerRole, Role,
-    WorkerInfo,
+    connect_handshake, ClusterSecret, Expectation, Failure, Frame, HandshakeError, PeerRole,
+    PrefixCounters, Role, WorkerInfo,
 };
 
 /// How long to wait before re-opening a broken link.
@@ -203,6 +203,7 @@ impl WorkerClient {
             ownership_failures: 0,
             frames_rejected: 0,
             auth_failures: 0,
+            prefix: PrefixCounters::default(),
         };
         if let Some(Frame::PoolStats {
             pages_free,
@@ -212,8 +213,10 @@ impl WorkerClient {
             ownership_failures,
             frames_rejected,
             auth_failures,
+            prefix,
         }) = state.stats
         {
+            gauges.prefix = prefix;
             gauges.auth_failures = auth_failures;
             gauges.pages_free = pages_free;
             gauges.pages_total = pages_total;
@@ -291,7 +294,7 @@ impl WorkerClient {
                     self.lock().stats = Some(frame);
                     continue;
                 }
-                Frame::Admitted { request }
+                Frame::Admitted { request, .. }
                 | Frame::Started { request }
                 | Frame::Text { request, .. }
                 | Frame::Finished { request, .. }

@@ -169,6 +169,7 @@ pub struct PoolGauges {
     pub ownership_failures: u64,
     pub frames_rejected: u64,
     pub auth_failures: u64,
+    pub prefix: transfer::PrefixCounters,
 }
 
 impl Default for Metrics {
@@ -237,10 +238,12 @@ impl Metrics {
             }
         }
         drop(counters);
-        let gauges: [GaugeRow; 7] = [
-            ("airlock_kv_pages_free", "Free KV pages per worker.", |p| {
-                f64::from(p.pages_free)
-            }),
+        let gauges: [GaugeRow; 15] = [
+            (
+                "airlock_kv_pages_free",
+                "Free KV pages per worker (cached pages no request uses count as free).",
+                |p| f64::from(p.pages_free),
+            ),
             (
                 "airlock_kv_pages_used",
                 "KV pages held by requests per worker (quarantined included).",
@@ -270,6 +273,47 @@ impl Metrics {
                 "airlock_cluster_auth_failures_total",
                 "Links a worker refused because the peer failed cluster authentication (I11).",
                 |p| p.auth_failures as f64,
+            ),
+            (
+                "airlock_prefix_cache_pages",
+                "KV pages in a worker's prefix cache (its tenants' shared prompt pages).",
+                |p| p.prefix.cached_pages as f64,
+            ),
+            (
+                "airlock_prefix_cache_lookups_total",
+                "Prefix-cache lookups (one per admitted request that may use the cache).",
+                |p| p.prefix.lookups as f64,
+            ),
+            (
+                "airlock_prefix_cache_hit_pages_total",
+                "Cached pages requests started from (same tenant and partition only).",
+                |p| p.prefix.hit_pages as f64,
+            ),
+            (
+                "airlock_prefix_cache_hit_tokens_total",
+                "Prompt tokens whose K/V came from the cache: not computed (prefill, \
+                 unified) or not transferred (decode).",
+                |p| p.prefix.hit_tokens as f64,
+            ),
+            (
+                "airlock_prefix_cache_evictions_total",
+                "Cached pages evicted to make room (only pages no request referenced).",
+                |p| p.prefix.evictions as f64,
+            ),
+            (
+                "airlock_prompt_tokens_prefilled_total",
+                "Prompt tokens a worker computed K/V for.",
+                |p| p.prefix.prefilled_tokens as f64,
+            ),
+            (
+                "airlock_transfer_pages_sent_total",
+                "KV pages a prefill worker sent to decode workers.",
+                |p| p.prefix.pages_sent as f64,
+            ),
+            (
+                "airlock_transfer_pages_not_sent_total",
+                "KV pages a prefill worker did not send because decode held them (delta).",
+                |p| p.prefix.pages_not_sent as f64,
             ),
         ];
         for (name, help, value) in gauges {

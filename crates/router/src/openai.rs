@@ -94,6 +94,11 @@ struct Common {
     stream_options: Option<StreamOptions>,
     /// Not in OpenAI's API: keep going past the end-of-sequence token.
     ignore_eos: Option<bool>,
+    /// Splits the caller's prefix cache: requests reuse each other's cached prompt pages only
+    /// when they come from the same tenant (API key) *and* carry the same salt. It can narrow
+    /// sharing within a tenant, never widen it past one.
+    #[schema(value_type = Option<String>, min_length = 1, max_length = 256)]
+    cache_salt: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -150,6 +155,8 @@ pub struct Job {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// The client's `cache_salt`, checked (1 to 256 bytes).
+    pub cache_salt: Option<String>,
 }
 
 /// What validation needs to know about the deployment.
@@ -164,6 +171,9 @@ pub struct Limits<'a> {
 /// Longest stop string a client may send. Far below what a Submit frame carries, so every
 /// request the router accepts is one the worker link can encode.
 const STOP_BYTES_MAX: usize = 256;
+
+/// Longest `cache_salt`, as vLLM's.
+pub const CACHE_SALT_BYTES_MAX: usize = 256;
 const _: () = assert!(STOP_BYTES_MAX <= transfer::MAX_STRING_BYTES);
 
 // The untagged enums' schemas are written out: a `oneOf` of what each variant accepts, with
@@ -445,6 +455,20 @@ fn build_job(
             "stop",
         ));
     }
+    let cache_salt = match common.cache_salt {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(salt))
+            if !salt.is_empty() && salt.len() <= CACHE_SALT_BYTES_MAX =>
+        {
+            Some(salt)
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                format!("cache_salt must be a string of 1 to {CACHE_SALT_BYTES_MAX} bytes"),
+                "cache_salt",
+            ))
+        }
+    };
     let stream = common.stream.unwrap_or(false);
     Ok(Job {
         endpoint,
@@ -459,6 +483,7 @@ fn build_job(
         },
         stop,
         ignore_eos: common.ignore_eos.unwrap_or(false),
+        cache_salt,
         stream,
         include_usage: stream
             && common

@@ -45,14 +45,23 @@ pub struct Usage {
     pub completion_tokens: u32,
     pub prompt_tokens: u32,
     pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose K/V came from the prefix cache of the caller's own tenant (and
+    /// `cache_salt`) instead of being computed.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
-    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32) -> Usage {
         Usage {
             completion_tokens,
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
 }

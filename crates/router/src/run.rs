@@ -16,7 +16,7 @@ use crate::server::AppState;
 use crate::tenants::TenantPermit;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kv::RequestId;
+use kv::{Partition, RequestId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -33,6 +33,8 @@ pub(crate) struct Run {
     rx: UnboundedReceiver<(Role, Frame)>,
     arrived: Instant,
     phase: Phase,
+    /// Prompt tokens the computing worker (unified or prefill) took from its prefix cache.
+    cached_tokens: u32,
     _permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
@@ -87,6 +89,8 @@ impl Run {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let tenant = permit.tenant().id;
+        let prefix_cache = (state.config.prefix_cache && permit.tenant().prefix_cache)
+            .then(|| cache_partition(job.cache_salt.as_deref()));
         let submit = |plan| {
             Frame::Submit(Submit {
                 request: id,
@@ -96,6 +100,7 @@ impl Run {
                 sampling: job.sampling.clone(),
                 stop: job.stop.clone(),
                 ignore_eos: job.ignore_eos,
+                prefix_cache,
                 plan,
             })
         };
@@ -124,9 +129,12 @@ impl Run {
             if !decode.submit(id, tx.clone(), submit(Plan::Decode { transfer })) {
                 return Err(no_worker(Role::Decode));
             }
+            // How many pages decode holds from its own cache is filled in from its
+            // `Admitted` (`submit_prefill`).
             let prefill_submit = submit(Plan::Prefill {
                 transfer,
                 decode_addr: decode.addr.clone(),
+                decode_holds_pages: 0,
             });
             let prefill = (prefill, tx, prefill_submit);
             (vec![decode], Phase::Reserving { prefill })
@@ -140,6 +148,7 @@ impl Run {
             rx,
             arrived: Instant::now(),
             phase,
+            cached_tokens: 0,
             _permit: permit,
             _slot: slot,
         })
@@ -181,8 +190,8 @@ impl Run {
     async fn wait_started(&mut self) -> Result<(), ApiError> {
         let deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
         loop {
-            let frame = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
-                Ok(Some((_, frame))) => frame,
+            let (role, frame) = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(received)) => received,
                 Ok(None) => return Err(self.fail(ApiError::Internal)),
                 Err(_) => {
                     let message = format!(
@@ -193,7 +202,10 @@ impl Run {
                 }
             };
             match frame {
-                Frame::Admitted { .. } => self.submit_prefill()?,
+                Frame::Admitted { cached_pages, .. } if role == Role::Decode => {
+                    self.submit_prefill(cached_pages)?
+                }
+                Frame::Admitted { cached_tokens, .. } => self.cached_tokens = cached_tokens,
                 Frame::Started { .. } => {
                     let sealed = matches!(self.phase, Phase::Prefilling) && self.workers.len() == 2;
                     self.enter(Phase::Streaming { last_token: None });
@@ -217,12 +229,24 @@ impl Run {
         }
     }
 
-    /// Decode has reserved the pages: now prefill may start sending them.
-    fn submit_prefill(&mut self) -> Result<(), ApiError> {
+    /// Decode has reserved the pages, the first `decode_holds_pages` from its own cache: now
+    /// prefill may start sending the others.
+    fn submit_prefill(&mut self, decode_holds_pages: u32) -> Result<(), ApiError> {
         match std::mem::replace(&mut self.phase, Phase::Prefilling) {
             Phase::Reserving {
-                prefill: (prefill, tx, submit),
+                prefill: (prefill, tx, mut submit),
             } => {
+                if let Frame::Submit(Submit {
+                    plan:
+                        Plan::Prefill {
+                            decode_holds_pages: holds,
+                            ..
+                        },
+                    ..
+                }) = &mut submit
+                {
+                    *holds = decode_holds_pages;
+                }
                 if !prefill.submit(self.id, tx, submit) {
                     return Err(self.fail(ApiError::NoWorkers {
                         message: "the prefill worker went away; retry".into(),
@@ -274,6 +298,9 @@ impl Run {
             let Some((role, frame)) = self.rx.recv().await else {
                 return Step::Failed(self.fail(ApiError::Internal));
             };
+            if let (Role::Prefill, Frame::Admitted { cached_tokens, .. }) = (role, &frame) {
+                self.cached_tokens = *cached_tokens;
+            }
             if role == Role::Prefill && matches!(self.phase, Phase::Streaming { .. }) {
                 continue;
             }
@@ -305,7 +332,8 @@ impl Run {
                         reason: finish.label(),
                     });
                     self.enter(Phase::Ended(Ending::Finished));
-                    return Step::Finished(finish, Usage::new(prompt_tokens, completion_tokens));
+                    let usage = Usage::new(prompt_tokens, completion_tokens, self.cached_tokens);
+                    return Step::Finished(finish, usage);
                 }
                 Frame::Failed {
                     failure, message, ..
@@ -363,5 +391,16 @@ impl Drop for Run {
             worker.send(Frame::Abort { request: self.id });
             worker.forget(self.id);
         }
+    }
+}
+
+/// The prefix-cache partition of a request within its tenant: one for requests without a
+/// salt, one per salt. The tenant is not in it: workers key the cache by the tenant of the
+/// request's pool owner, so no salt can reach another tenant's pages (I10).
+fn cache_partition(salt: Option<&str>) -> Partition {
+    match salt {
+        None => Partition(0),
+        // Domain-separated so that no salt hashes to the salt-less partition by design.
+        Some(salt) => Partition(xxhash_rust::xxh3::xxh3_64_with_seed(salt.as_bytes(), 1) | 1),
     }
 }

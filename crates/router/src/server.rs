@@ -38,6 +38,9 @@ pub struct RouterConfig {
     /// Origins a browser may call from (CORS); empty: no `Access-Control-Allow-*` header is
     /// ever sent. `*` allows any origin.
     pub cors_allow_origins: Vec<String>,
+    /// Whether workers may reuse cached prompt pages at all (each tenant's `prefix_cache`
+    /// in the keys file can still turn it off for that tenant).
+    pub prefix_cache: bool,
 }
 
 /// Everything the handlers share.

@@ -5,7 +5,12 @@
 //! keys = ["sk-alice-1"]
 //! max_concurrent = 8          # requests in flight at once (optional)
 //! max_queued_tokens = 200000  # prompt + max_tokens summed over its requests in flight (optional)
+//! prefix_cache = false        # never reuse cached prompt pages, nor leave any (default: true)
 //! ```
+//!
+//! A tenant's id is derived from its name, not from its place in the file: workers keep
+//! cached prompt pages under that id across router restarts, so a keys file edited between
+//! runs must never hand one tenant's id (and its cached pages) to another name.
 //!
 //! A key is compared against every configured key in constant time, so neither the answer's
 //! timing nor its content says which tenant (or how much of a key) matched. Keys are never
@@ -30,6 +35,8 @@ pub struct Tenants {
 pub struct Tenant {
     pub id: TenantId,
     pub name: String,
+    /// Whether this tenant's requests may reuse (and leave) cached prompt pages.
+    pub prefix_cache: bool,
     pub max_concurrent: Option<usize>,
     pub max_queued_tokens: Option<usize>,
     concurrent: AtomicUsize,
@@ -59,6 +66,7 @@ struct TenantEntry {
     keys: Vec<String>,
     max_concurrent: Option<usize>,
     max_queued_tokens: Option<usize>,
+    prefix_cache: Option<bool>,
 }
 
 /// Why a tenant may not start another request now.
@@ -98,6 +106,7 @@ impl Tenants {
                 "default".into(),
                 None,
                 None,
+                true,
             ))],
             keys: Vec::new(),
             open: true,
@@ -135,12 +144,18 @@ impl Tenants {
                 }
                 keys.push((key.into_bytes(), index));
             }
-            let id = TenantId(index as u64 + 1);
+            let id = tenant_id(&name);
+            if tenants.iter().any(|tenant: &Arc<Tenant>| tenant.id == id) {
+                return Err(format!(
+                    "tenant '{name}' hashes to another tenant's id; rename it"
+                ));
+            }
             tenants.push(Arc::new(Tenant::new(
                 id,
                 name,
                 entry.max_concurrent,
                 entry.max_queued_tokens,
+                entry.prefix_cache.unwrap_or(true),
             )));
         }
         Ok(Tenants {
@@ -175,16 +190,25 @@ impl Tenants {
     }
 }
 
+/// The id of the tenant named `name`: stable across restarts and edits of the keys file,
+/// never 0 (the keyless "default" tenant's).
+fn tenant_id(name: &str) -> TenantId {
+    let hash = xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), 0x7e4a_4e77);
+    TenantId(hash.max(1))
+}
+
 impl Tenant {
     fn new(
         id: TenantId,
         name: String,
         max_concurrent: Option<usize>,
         max_queued_tokens: Option<usize>,
+        prefix_cache: bool,
     ) -> Tenant {
         Tenant {
             id,
             name,
+            prefix_cache,
             max_concurrent,
             max_queued_tokens,
             concurrent: AtomicUsize::new(0),

@@ -230,7 +230,10 @@ fn run(ops: Vec<Op>) {
         );
         for (index, header) in copy.headers().iter().enumerate() {
             let theirs = real.header(PageId(index as u32)).expect("same page count");
-            let their_owner = theirs.owner.map(|o| {
+            let their_owner = theirs.holder.map(|holder| {
+                let kv::Holder::Request(o) = holder else {
+                    panic!("step {step}: the copy never shares a page");
+                };
                 assert_eq!(o, owner(o.request.0 as u8), "owners are the ones we gave");
                 o.request.0 as u8
             });

@@ -7,12 +7,12 @@
 //! so a hostile peer can make the decoder return an error but never panic or allocate more
 //! than [`MAX_FRAME_BYTES`].
 
-use kv::{RequestId, TenantId};
+use kv::{Partition, RequestId, TenantId};
 
 /// Version of this encoding and of the transfer protocol; a peer with another version is
 /// refused at the first frame.
 /// Version 2: the accepting side proves itself only after the connecting side has.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -133,10 +133,13 @@ pub struct Sampling {
 pub enum Plan {
     /// Prefill and decode here, in one pool.
     Unified,
-    /// Prefill here, then send the pages to the decode worker at `decode_addr`.
+    /// Prefill here, then send the pages to the decode worker at `decode_addr`, all but the
+    /// first `decode_holds_pages`, which decode already holds from its own prefix cache (its
+    /// `Admitted` said so). Decode checks the transfer against its own count, not this one.
     Prefill {
         transfer: TransferId,
         decode_addr: String,
+        decode_holds_pages: u32,
     },
     /// Reserve pages, receive them from a prefill worker, verify, then decode.
     Decode { transfer: TransferId },
@@ -152,7 +155,28 @@ pub struct Submit {
     pub sampling: Sampling,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// The prefix-cache partition of `tenant` this request may reuse and publish pages in;
+    /// `None` when the tenant (or the operator) turned prefix reuse off.
+    pub prefix_cache: Option<Partition>,
     pub plan: Plan,
+}
+
+/// A worker's prefix-cache counters, in its `PoolStats` (they only grow, but `cached_pages`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCounters {
+    pub lookups: u64,
+    pub hit_pages: u64,
+    /// Prompt tokens whose K/V came from the cache (prefill and unified: not computed;
+    /// decode: not transferred).
+    pub hit_tokens: u64,
+    pub evictions: u64,
+    pub cached_pages: u64,
+    /// Prompt tokens this worker computed K/V for.
+    pub prefilled_tokens: u64,
+    /// Page frames this (prefill) worker sent, and pages it did not send because decode
+    /// held them already (delta transfer).
+    pub pages_sent: u64,
+    pub pages_not_sent: u64,
 }
 
 wire_enum! {
@@ -274,9 +298,12 @@ pub enum Frame {
         request: RequestId,
     },
     // Worker -> router.
-    /// Pages are reserved (decode) or the request is queued for them.
+    /// Pages are reserved (decode) or allocated (prefill, unified), `cached_pages` of them
+    /// (`cached_tokens` prompt tokens) from this worker's prefix cache.
     Admitted {
         request: RequestId,
+        cached_tokens: u32,
+        cached_pages: u32,
     },
     /// Decode has sealed a verified transfer (or unified has prefilled): answers may start.
     Started {
@@ -309,6 +336,7 @@ pub enum Frame {
         frames_rejected: u64,
         /// Links refused because the peer failed cluster authentication.
         auth_failures: u64,
+        prefix: PrefixCounters,
     },
     // Prefill -> decode.
     Page {
@@ -492,8 +520,15 @@ impl Frame {
                 w.u64(info.epoch);
             }
             Frame::Submit(submit) => encode_submit(w, submit),
-            Frame::Abort { request } | Frame::Admitted { request } | Frame::Started { request } => {
-                w.u64(request.0)
+            Frame::Abort { request } | Frame::Started { request } => w.u64(request.0),
+            Frame::Admitted {
+                request,
+                cached_tokens,
+                cached_pages,
+            } => {
+                w.u64(request.0);
+                w.u32(*cached_tokens);
+                w.u32(*cached_pages);
             }
             Frame::Text {
                 request,
@@ -532,6 +567,7 @@ impl Frame {
                 ownership_failures,
                 frames_rejected,
                 auth_failures,
+                prefix,
             } => {
                 w.u32(*pages_free);
                 w.u32(*pages_total);
@@ -540,6 +576,18 @@ impl Frame {
                 w.u64(*ownership_failures);
                 w.u64(*frames_rejected);
                 w.u64(*auth_failures);
+                for counter in [
+                    prefix.lookups,
+                    prefix.hit_pages,
+                    prefix.hit_tokens,
+                    prefix.evictions,
+                    prefix.cached_pages,
+                    prefix.prefilled_tokens,
+                    prefix.pages_sent,
+                    prefix.pages_not_sent,
+                ] {
+                    w.u64(counter);
+                }
             }
             Frame::Page {
                 transfer,
@@ -605,6 +653,8 @@ impl Frame {
             },
             FrameKind::Admitted => Frame::Admitted {
                 request: RequestId(r.u64()?),
+                cached_tokens: r.u32()?,
+                cached_pages: r.u32()?,
             },
             FrameKind::Started => Frame::Started {
                 request: RequestId(r.u64()?),
@@ -633,6 +683,16 @@ impl Frame {
                 ownership_failures: r.u64()?,
                 frames_rejected: r.u64()?,
                 auth_failures: r.u64()?,
+                prefix: PrefixCounters {
+                    lookups: r.u64()?,
+                    hit_pages: r.u64()?,
+                    hit_tokens: r.u64()?,
+                    evictions: r.u64()?,
+                    cached_pages: r.u64()?,
+                    prefilled_tokens: r.u64()?,
+                    pages_sent: r.u64()?,
+                    pages_not_sent: r.u64()?,
+                },
             },
             FrameKind::Page => {
                 let transfer = TransferId(r.u64()?);
@@ -693,15 +753,24 @@ fn encode_submit(w: &mut Writer, submit: &Submit) {
         w.string(stop);
     }
     w.u8(submit.ignore_eos as u8);
+    match submit.prefix_cache {
+        None => w.u8(0),
+        Some(partition) => {
+            w.u8(1);
+            w.u64(partition.0);
+        }
+    }
     match &submit.plan {
         Plan::Unified => w.u8(0),
         Plan::Prefill {
             transfer,
             decode_addr,
+            decode_holds_pages,
         } => {
             w.u8(1);
             w.u64(transfer.0);
             w.string(decode_addr);
+            w.u32(*decode_holds_pages);
         }
         Plan::Decode { transfer } => {
             w.u8(2);
@@ -747,11 +816,22 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
             })
         }
     };
+    let prefix_cache = match r.u8()? {
+        0 => None,
+        1 => Some(Partition(r.u64()?)),
+        value => {
+            return Err(DecodeError::UnknownEnum {
+                field: "prefix_cache",
+                value,
+            })
+        }
+    };
     let plan = match r.u8()? {
         0 => Plan::Unified,
         1 => Plan::Prefill {
             transfer: TransferId(r.u64()?),
             decode_addr: r.string("decode_addr")?,
+            decode_holds_pages: r.u32()?,
         },
         2 => Plan::Decode {
             transfer: TransferId(r.u64()?),
@@ -771,6 +851,7 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         sampling,
         stop,
         ignore_eos,
+        prefix_cache,
         plan,
     })
 }

@@ -14,12 +14,14 @@ pub struct Inbound {
     /// Tokens of KV the sender must deliver: fixed by the router's request, not by the sender.
     pub token_count: u32,
     page_bytes: usize,
+    held_pages: usize,
     received: Vec<bool>,
 }
 
 impl Inbound {
     /// A reservation for `token_count` tokens in pages of `page_size_tokens` tokens and
-    /// `page_bytes` bytes each.
+    /// `page_bytes` bytes each, whose first `held_pages` the receiver already holds (from its
+    /// own prefix cache): those must not arrive, the rest must.
     pub fn new(
         transfer: TransferId,
         request: RequestId,
@@ -27,17 +29,25 @@ impl Inbound {
         token_count: u32,
         page_size_tokens: u32,
         page_bytes: usize,
+        held_pages: u32,
     ) -> Inbound {
         assert!(page_size_tokens > 0, "pages hold at least one token");
         let page_count = token_count.div_ceil(page_size_tokens) as usize;
+        let held_pages = (held_pages as usize).min(page_count);
         Inbound {
             transfer,
             request,
             tenant,
             token_count,
             page_bytes,
-            received: vec![false; page_count],
+            held_pages,
+            received: (0..page_count).map(|index| index < held_pages).collect(),
         }
+    }
+
+    /// Leading pages the receiver holds itself: no frame may write them.
+    pub fn held_pages(&self) -> u32 {
+        self.held_pages as u32
     }
 
     pub fn page_count(&self) -> u32 {
@@ -59,6 +69,11 @@ impl Inbound {
         }
         let index = index as usize;
         if index >= self.received.len() || byte_count != self.page_bytes {
+            return Err(Reject::BadPage);
+        }
+        // A page the receiver already holds is shared and read-only: a frame for it is a
+        // sender that does not know what decode holds, and is refused.
+        if index < self.held_pages {
             return Err(Reject::BadPage);
         }
         self.received[index] = true;

@@ -37,9 +37,11 @@ fn sample_frames() -> Vec<Frame> {
         },
         stop: vec!["\n\n".into(), "é".into()],
         ignore_eos: true,
+        prefix_cache: Some(kv::Partition(0xfeed)),
         plan: Plan::Prefill {
             transfer: TransferId(99),
             decode_addr: "127.0.0.1:9002".into(),
+            decode_holds_pages: 3,
         },
     };
     let done = TransferDone {
@@ -68,6 +70,7 @@ fn sample_frames() -> Vec<Frame> {
         Frame::Submit(Submit {
             plan: Plan::Unified,
             stop: vec![],
+            prefix_cache: None,
             ..submit
         }),
         Frame::Abort {
@@ -75,6 +78,8 @@ fn sample_frames() -> Vec<Frame> {
         },
         Frame::Admitted {
             request: RequestId(2),
+            cached_tokens: 32,
+            cached_pages: 2,
         },
         Frame::Started {
             request: RequestId(3),
@@ -103,6 +108,16 @@ fn sample_frames() -> Vec<Frame> {
             ownership_failures: 4,
             frames_rejected: 5,
             auth_failures: 6,
+            prefix: crate::PrefixCounters {
+                lookups: 7,
+                hit_pages: 8,
+                hit_tokens: 9,
+                evictions: 10,
+                cached_pages: 11,
+                prefilled_tokens: 12,
+                pages_sent: 13,
+                pages_not_sent: 14,
+            },
         },
         Frame::Page {
             transfer: TransferId(99),
@@ -252,6 +267,7 @@ proptest! {
             sampling: Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed },
             stop: vec![text.clone()],
             ignore_eos: false,
+            prefix_cache: None,
             plan: Plan::Unified,
         });
         prop_assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
@@ -259,7 +275,7 @@ proptest! {
 }
 
 fn inbound() -> Inbound {
-    Inbound::new(TransferId(9), RequestId(1), TenantId(2), 20, 16, 8)
+    Inbound::new(TransferId(9), RequestId(1), TenantId(2), 20, 16, 8, 0)
 }
 
 fn done_for(inbound: &Inbound, pages: &[Vec<u8>]) -> TransferDone {
@@ -614,4 +630,36 @@ fn every_variant_of_every_wire_enum_round_trips() {
             value: Reject::ALL.len() as u8
         })
     );
+}
+
+#[test]
+fn a_delta_transfer_takes_only_the_pages_the_receiver_lacks() {
+    // 40 tokens in pages of 16: 3 pages, of which the receiver holds the first 2.
+    let mut inbound = Inbound::new(TransferId(9), RequestId(1), TenantId(2), 40, 16, 8, 2);
+    assert_eq!(inbound.held_pages(), 2);
+    // A frame for a held page would overwrite a shared page: refused.
+    for held in 0..2 {
+        assert_eq!(
+            inbound.accept_page(RequestId(1), TenantId(2), held, 8),
+            Err(Reject::BadPage)
+        );
+    }
+    // The checksum covers every page decode will read, held ones included.
+    let pages = vec![vec![1u8; 8], vec![2u8; 8], vec![3u8; 8]];
+    let done = done_for(&inbound, &pages);
+    assert_eq!(inbound.check_done(&done), Err(Reject::MissingPage));
+    assert_eq!(inbound.accept_page(RequestId(1), TenantId(2), 2, 8), Ok(2));
+    assert_eq!(inbound.check_done(&done), Ok(()));
+    let computed = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
+    assert_eq!(inbound.verify_checksum(&done, computed), Ok(()));
+    // Held pages whose bytes differ from the sender's (a wrong reuse) fail like corruption.
+    let wrong_reuse = [vec![9u8; 8], vec![2u8; 8], vec![3u8; 8]];
+    let computed = transfer_checksum(&done, wrong_reuse.iter().map(Vec::as_slice));
+    assert_eq!(
+        inbound.verify_checksum(&done, computed),
+        Err(Reject::ChecksumMismatch)
+    );
+    // Holding more pages than the transfer has is capped: every page is held, none comes.
+    let all_held = Inbound::new(TransferId(9), RequestId(1), TenantId(2), 40, 16, 8, 9);
+    assert_eq!(all_held.held_pages(), 3);
 }

@@ -71,6 +71,8 @@ pub struct Options {
     pub edge: router::EdgeConfig,
     pub body_timeout: Duration,
     pub cors_allow_origins: Vec<String>,
+    /// The router's switch for prefix reuse (`--no-prefix-cache` turns it off).
+    pub prefix_cache: bool,
 }
 
 impl Options {
@@ -99,6 +101,7 @@ impl Options {
             },
             body_timeout: Duration::from_secs(30),
             cors_allow_origins: Vec::new(),
+            prefix_cache: true,
         }
     }
 }
@@ -269,6 +272,7 @@ pub fn start(options: Options) -> TestServer {
             start_timeout: Duration::from_secs(60),
             body_timeout: options.body_timeout,
             cors_allow_origins: options.cors_allow_origins.clone(),
+            prefix_cache: options.prefix_cache,
         };
         let state = Arc::new(AppState::new(
             config,

@@ -10,5 +10,6 @@ mod fuzz;
 mod harness;
 mod matrix;
 mod openapi;
+mod prefix;
 mod processes;
 mod serving;

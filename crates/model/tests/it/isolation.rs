@@ -171,8 +171,8 @@ fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_
                 found,
             }) => {
                 assert_eq!(page, b.pages()[0].0);
-                assert_eq!(expected, attacker);
-                assert_eq!(found, Some(victim));
+                assert_eq!(expected, kv::Holder::Request(attacker));
+                assert_eq!(found, Some(kv::Holder::Request(victim)));
             }
             other => panic!("expected OwnerMismatch, got {other:?}"),
         }
@@ -218,7 +218,7 @@ fn table_naming_a_released_or_unknown_page_is_refused() {
             PageState::Free,
             "refused step left {page:?} Free"
         );
-        assert_eq!(header.owner, None);
+        assert_eq!(header.holder, None);
     }
     assert_eq!(pool.pages_free(), free_before);
 

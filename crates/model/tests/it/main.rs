@@ -15,4 +15,5 @@ mod common;
 mod exact;
 mod generate;
 mod isolation;
+mod prefix;
 mod reference;

@@ -13,6 +13,7 @@ fn config() -> RouterConfig {
         start_timeout: Duration::from_secs(1),
         body_timeout: Duration::from_secs(1),
         cors_allow_origins: Vec::new(),
+        prefix_cache: true,
     }
 }
 

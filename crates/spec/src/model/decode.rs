@@ -31,6 +31,7 @@ impl TransferSpec {
             u32::from(needed),
             1,
             PAGE_BYTES,
+            0,
         );
         let content = Content::Data { request, attempt };
         // The placeholder claims one page, and its checksum agrees with that claim.

@@ -1,8 +1,9 @@
 //! Admission: a submit is checked before it is queued (I3), and queued requests get their
-//! pages in arrival order.
+//! pages in arrival order, starting with the full prompt pages this worker has cached for the
+//! request's tenant and partition (I10), and evicting unreferenced cached pages when short.
 
 use super::{failed, Engine, LinkId, Phase, Request, Stage};
-use kv::{Owner, PageState, RequestId};
+use kv::{CachedPrefix, Owner, PageState, RequestId};
 use std::time::Instant;
 use transfer::{Failure, Frame, Inbound, Plan, Role, Submit, TransferId};
 
@@ -55,6 +56,7 @@ impl Engine {
                 seq,
                 peer,
                 reported: false,
+                cached_tokens: 0,
                 phase: Phase::Queued,
             },
         );
@@ -126,19 +128,33 @@ impl Engine {
                 // placeholder and let `Done` claim the whole prompt.
                 needed = 1;
             }
-            let table = match self.pool.allocate(request.owner, needed) {
-                Ok(table) => table,
-                Err(kv::Error::OutOfPages { .. }) => return,
-                Err(error) => panic!("allocation fails only for want of pages: {error}"),
+            let prefix = match request.submit.prefix_cache {
+                Some(partition) if !placeholder => {
+                    let prompt = &request.submit.prompt;
+                    let kv_tokens = &prompt[..prompt.len() - 1];
+                    let owner = request.owner;
+                    self.cache
+                        .lookup(owner.tenant, partition, kv_tokens, &self.pool)
+                }
+                _ => CachedPrefix::none(request.owner.tenant),
+            };
+            let Some(table) = self.allocate(key, &prefix, needed) else {
+                return;
             };
             self.queue.pop_front();
+            let request = self
+                .requests
+                .get_mut(&key)
+                .expect("queued keys are live requests: end() unqueues");
             if placeholder {
                 tracing::warn!("fault injection: incident placeholder for a prompt over the pool");
             }
+            let cached_tokens = table.shared_pages() * self.pool.layout().page_size_tokens;
+            request.cached_tokens = cached_tokens;
             let prompt_tokens = request.submit.prompt.len();
             let stage = match request.submit.plan {
                 Plan::Unified | Plan::Prefill { .. } => Stage::Prefilling {
-                    done: 0,
+                    done: cached_tokens,
                     target: if placeholder {
                         1.min(prompt_tokens - 1)
                     } else {
@@ -160,15 +176,25 @@ impl Engine {
                             (prompt_tokens - 1) as u32,
                             layout.page_size_tokens as u32,
                             layout.page_bytes(),
+                            table.shared_pages() as u32,
                         ),
                         sender: None,
                         since: Instant::now(),
                     }
                 }
             };
-            let nothing_to_prefill = matches!(stage, Stage::Prefilling { target: 0, .. });
+            let nothing_to_prefill =
+                matches!(stage, Stage::Prefilling { done, target, .. } if done == target);
+            let cached_pages = table.shared_pages() as u32;
             request.phase = Phase::Admitted { table, stage };
-            self.send(key.0, Frame::Admitted { request: key.1 });
+            self.send(
+                key.0,
+                Frame::Admitted {
+                    request: key.1,
+                    cached_tokens: cached_tokens as u32,
+                    cached_pages,
+                },
+            );
             if nothing_to_prefill {
                 self.prefilled(key);
             }

@@ -30,6 +30,9 @@
 mod admit;
 mod end;
 mod receive;
+mod reuse;
+#[cfg(test)]
+mod reuse_tests;
 mod send;
 mod step;
 #[cfg(test)]
@@ -37,14 +40,14 @@ mod tests;
 
 use crate::config::WorkerConfig;
 use gguf::Tokenizer;
-use kv::{Owner, PagePool, PageState, PageTable, RequestId};
+use kv::{Owner, PagePool, PageState, PageTable, PrefixCache, RequestId};
 use model::{Forward, Sampler, StopMatcher};
 use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{Failure, Frame, Inbound, Submit, TransferId};
+use transfer::{Failure, Frame, Inbound, PrefixCounters, Submit, TransferId};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -100,9 +103,14 @@ struct Request {
     peer: Option<LinkId>,
     /// The router has been told how this request ended (exactly one end, I6).
     reported: bool,
+    /// Prompt tokens whose K/V came from this worker's prefix cache.
+    cached_tokens: usize,
     phase: Phase,
 }
 
+// Queued requests are few and short-lived; boxing the admitted state would cost an
+// allocation per request for no gain.
+#[allow(clippy::large_enum_variant)]
 enum Phase {
     /// Waiting for pages.
     Queued,
@@ -156,12 +164,14 @@ struct LinkEntry {
 
 #[derive(Clone, Copy, PartialEq, Eq, Default)]
 struct Stats {
+    /// Free pages plus cached pages no request references (reclaimable at once).
     pages_free: usize,
     pages_quarantined: usize,
     queue_depth: usize,
     ownership_failures: u64,
     frames_rejected: u64,
     auth_failures: u64,
+    prefix: PrefixCounters,
 }
 
 /// The worker's state; see the module docs.
@@ -170,6 +180,13 @@ pub struct Engine {
     model: Box<dyn Forward>,
     tokenizer: Tokenizer,
     pool: PagePool,
+    /// Full prompt pages this worker keeps for reuse, per tenant (I10); see `admit`.
+    cache: PrefixCache,
+    /// Prompt tokens this worker computed K/V for (not taken from the cache).
+    prefilled_tokens: u64,
+    /// Page frames sent to decode workers, and pages not sent because decode held them.
+    pages_sent: u64,
+    pages_not_sent: u64,
     links: HashMap<LinkId, LinkEntry>,
     requests: HashMap<Key, Request>,
     queue: VecDeque<Key>,
@@ -194,11 +211,16 @@ impl Engine {
     ) -> Engine {
         #[cfg(feature = "fault-injection")]
         pool.set_owner_check_for_test(config.faults.owner_checked());
+        let cache = PrefixCache::new(pool.layout().page_size_tokens);
         Engine {
             config,
             model,
             tokenizer,
             pool,
+            cache,
+            prefilled_tokens: 0,
+            pages_sent: 0,
+            pages_not_sent: 0,
             links: HashMap::new(),
             requests: HashMap::new(),
             queue: VecDeque::new(),
@@ -342,13 +364,24 @@ impl Engine {
     }
 
     fn publish_stats(&mut self) {
+        let cache = self.cache.stats();
         let stats = Stats {
-            pages_free: self.pool.pages_free(),
+            pages_free: self.pool.pages_free() + self.pool.pages_reclaimable(),
             pages_quarantined: self.pool.pages_in_state(PageState::Quarantined),
             queue_depth: self.queue.len(),
             ownership_failures: self.ownership_failures,
             frames_rejected: self.frames_rejected,
             auth_failures: self.auth_failures,
+            prefix: PrefixCounters {
+                lookups: cache.lookups,
+                hit_pages: cache.hit_pages,
+                hit_tokens: cache.hit_tokens,
+                evictions: cache.evictions,
+                cached_pages: cache.cached_pages,
+                prefilled_tokens: self.prefilled_tokens,
+                pages_sent: self.pages_sent,
+                pages_not_sent: self.pages_not_sent,
+            },
         };
         if self.last_stats == Some(stats) {
             return;
@@ -362,6 +395,7 @@ impl Engine {
             ownership_failures: stats.ownership_failures,
             frames_rejected: stats.frames_rejected,
             auth_failures: stats.auth_failures,
+            prefix: stats.prefix,
         };
         for entry in self.links.values() {
             if entry.kind == LinkKind::Router {

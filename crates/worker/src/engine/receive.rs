@@ -80,7 +80,6 @@ impl Engine {
         };
         // receiving() found the reservation: these lets only name its parts.
         let Some(Request {
-            submit,
             phase: Phase::Admitted { table, stage },
             ..
         }) = self.requests.get_mut(&key)
@@ -123,12 +122,22 @@ impl Engine {
             .verify_batch(&[table])
             .expect("sealed pages verify")[0]
             .mark_written(written);
+        // Verified: the received full pages may serve this tenant's next requests.
+        self.inbound.remove(&done.transfer);
+        self.publish_prompt(key);
+        let Some(Request {
+            submit,
+            phase: Phase::Admitted { table, stage },
+            ..
+        }) = self.requests.get_mut(&key)
+        else {
+            return;
+        };
         if self.config.faults.recycle_early() {
             // Fault injection only: free the pages while the request still decodes from them.
             tracing::warn!("fault injection: pages recycled early");
             let _ = self.pool.release(table.clone());
         }
-        self.inbound.remove(&done.transfer);
         *stage = Stage::Decoding(DecodeState::new(submit));
         self.answer(
             link,

@@ -4,7 +4,7 @@
 use super::{send_later, Engine, Key, LinkId, Phase, Stage};
 use kv::PageState;
 use std::time::Instant;
-use transfer::{transfer_checksum, Failure, Frame, Reject, TransferDone, TransferId};
+use transfer::{transfer_checksum, Failure, Frame, Plan, Reject, TransferDone, TransferId};
 
 impl Engine {
     pub(super) fn send_pages(&mut self, key: Key, transfer: TransferId) {
@@ -57,9 +57,19 @@ impl Engine {
         if !cfg!(feature = "unguarded-checksum") {
             done.checksum = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
         }
+        // Delta transfer: the pages decode holds from its own cache stay here. The checksum
+        // above still covers them, as decode's check does, so a decode whose cached pages
+        // differ from ours refuses the transfer.
+        let decode_holds = match &request.submit.plan {
+            Plan::Prefill {
+                decode_holds_pages, ..
+            } => *decode_holds_pages as usize,
+            _ => 0,
+        };
         let mut frames: Vec<Frame> = pages
             .into_iter()
             .enumerate()
+            .skip(decode_holds)
             .map(|(index, bytes)| Frame::Page {
                 transfer,
                 request: key.1,
@@ -68,6 +78,8 @@ impl Engine {
                 bytes,
             })
             .collect();
+        self.pages_sent += frames.len() as u64;
+        self.pages_not_sent += decode_holds.min(page_count as usize) as u64;
         frames.push(Frame::Done(done));
         let outgoing = self.config.faults.shape_transfer(frames);
         for (sent, frame) in outgoing.frames.into_iter().enumerate() {

@@ -92,6 +92,7 @@ impl Engine {
                 continue;
             };
             *done += count;
+            self.prefilled_tokens += count as u64;
             if *done == *target {
                 self.prefilled(key);
             }
@@ -129,8 +130,10 @@ impl Engine {
         }
     }
 
-    /// The prompt is in KV: unified requests start decoding, prefill ones send their pages.
+    /// The prompt is in KV: its full pages go to the prefix cache, then unified requests
+    /// start decoding and prefill ones send their pages.
     pub(super) fn prefilled(&mut self, key: Key) {
+        self.publish_prompt(key);
         let Some(request) = self.requests.get_mut(&key) else {
             return;
         };

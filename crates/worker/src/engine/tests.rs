@@ -16,39 +16,39 @@ use transfer::{
     TransferId,
 };
 
-const PAGE_SIZE: usize = 4;
+pub(super) const PAGE_SIZE: usize = 4;
 /// Token 0 is the end of text, tokens 1..=26 the letters `a..=z`.
-const EOS: u32 = 0;
-const VOCAB: usize = 27;
-const CONTEXT: usize = 64;
+pub(super) const EOS: u32 = 0;
+pub(super) const VOCAB: usize = 27;
+pub(super) const CONTEXT: usize = 64;
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(10);
-const TRANSFER_TIMEOUT: Duration = Duration::from_secs(20);
-const TENANT: TenantId = TenantId(7);
+pub(super) const TRANSFER_TIMEOUT: Duration = Duration::from_secs(20);
+pub(super) const TENANT: TenantId = TenantId(7);
 /// "helloworld": ten tokens, so prefill moves nine (three pages of four).
-const PROMPT: [u32; 10] = [8, 5, 12, 12, 15, 23, 15, 18, 12, 4];
-const MAX_TOKENS: u32 = 6;
-const ROUTER: LinkId = 1;
+pub(super) const PROMPT: [u32; 10] = [8, 5, 12, 12, 15, 23, 15, 18, 12, 4];
+pub(super) const MAX_TOKENS: u32 = 6;
+pub(super) const ROUTER: LinkId = 1;
 /// The decode worker's link, on a prefill worker.
-const PEER: LinkId = 2;
+pub(super) const PEER: LinkId = 2;
 /// The prefill worker's link, on a decode worker.
-const PREFILL: LinkId = 3;
-const TRANSFER: TransferId = TransferId(500);
+pub(super) const PREFILL: LinkId = 3;
+pub(super) const TRANSFER: TransferId = TransferId(500);
 
 /// One engine and the sending end of its event channel.
-struct Worker {
-    engine: Engine,
+pub(super) struct Worker {
+    pub(super) engine: Engine,
     events: mpsc::Sender<Event>,
     inbox: mpsc::Receiver<Event>,
 }
 
 /// What the engine sent on one link.
-struct Link {
-    rx: UnboundedReceiver<Frame>,
+pub(super) struct Link {
+    pub(super) rx: UnboundedReceiver<Frame>,
 }
 
 impl Worker {
     /// A worker of `role` whose pool holds `kv_tokens` tokens, with a router on [`ROUTER`].
-    fn new(role: Role, kv_tokens: usize) -> (Worker, Link) {
+    pub(super) fn new(role: Role, kv_tokens: usize) -> (Worker, Link) {
         let model = OracleModel::new(VOCAB, CONTEXT);
         let pool = PagePool::new(PoolConfig {
             layout: model.kv_layout(PAGE_SIZE),
@@ -80,17 +80,17 @@ impl Worker {
     }
 
     /// Opens a link; what the engine sends on it comes out of the returned [`Link`].
-    fn link(&mut self, link: LinkId, kind: LinkKind) -> Link {
+    pub(super) fn link(&mut self, link: LinkId, kind: LinkKind) -> Link {
         let (tx, rx) = unbounded_channel();
         self.send(Event::LinkUp { link, kind, tx });
         Link { rx }
     }
 
-    fn send(&self, event: Event) {
+    pub(super) fn send(&self, event: Event) {
         self.events.send(event).expect("the engine's inbox is open");
     }
 
-    fn frame(&self, link: LinkId, frame: Frame) {
+    pub(super) fn frame(&self, link: LinkId, frame: Frame) {
         self.send(Event::Frame { link, frame });
     }
 
@@ -101,12 +101,12 @@ impl Worker {
         self.engine.work(|| now);
     }
 
-    fn turn(&mut self) {
+    pub(super) fn turn(&mut self) {
         self.turn_at(Instant::now());
     }
 
     /// Turns until no request has a step to run.
-    fn settle(&mut self) {
+    pub(super) fn settle(&mut self) {
         for _ in 0..100 {
             self.turn();
             if !self.engine.has_runnable_work() {
@@ -116,16 +116,16 @@ impl Worker {
         panic!("the engine still has work after 100 turns");
     }
 
-    fn pages_free(&self) -> usize {
+    pub(super) fn pages_free(&self) -> usize {
         self.engine.pool.pages_free()
     }
 
-    fn pages_total(&self) -> usize {
+    pub(super) fn pages_total(&self) -> usize {
         self.engine.pool.page_count()
     }
 
     /// I9: nothing held, nothing queued, nothing remembered.
-    fn assert_idle(&self) {
+    pub(super) fn assert_idle(&self) {
         assert_eq!(self.pages_free(), self.pages_total(), "every page is free");
         assert!(self.engine.requests.is_empty(), "no request is left");
         assert!(self.engine.queue.is_empty());
@@ -136,7 +136,7 @@ impl Worker {
 
 impl Link {
     /// Frames sent since the last call, pool reports left out.
-    fn frames(&mut self) -> Vec<Frame> {
+    pub(super) fn frames(&mut self) -> Vec<Frame> {
         let mut frames = Vec::new();
         while let Ok(frame) = self.rx.try_recv() {
             if !matches!(frame, Frame::PoolStats { .. }) {
@@ -149,7 +149,7 @@ impl Link {
 
 /// A tokenizer of [`VOCAB`] tokens, from a GGUF file built here: token 0 is a control token
 /// (the end of text), the others the single letters, so token `t` reads as one letter.
-fn tokenizer() -> Tokenizer {
+pub(super) fn tokenizer() -> Tokenizer {
     fn put_str(out: &mut Vec<u8>, text: &str) {
         out.extend_from_slice(&(text.len() as u64).to_le_bytes());
         out.extend_from_slice(text.as_bytes());
@@ -203,7 +203,7 @@ fn tokenizer() -> Tokenizer {
     tokenizer
 }
 
-fn submit(request: u64, prompt: &[u32], max_tokens: u32, plan: Plan) -> Submit {
+pub(super) fn submit(request: u64, prompt: &[u32], max_tokens: u32, plan: Plan) -> Submit {
     Submit {
         request: RequestId(request),
         tenant: TENANT,
@@ -217,19 +217,30 @@ fn submit(request: u64, prompt: &[u32], max_tokens: u32, plan: Plan) -> Submit {
         },
         stop: Vec::new(),
         ignore_eos: false,
+        prefix_cache: None,
         plan,
     }
 }
 
-fn prefill_plan(transfer: TransferId) -> Plan {
+pub(super) fn prefill_plan(transfer: TransferId) -> Plan {
     Plan::Prefill {
         transfer,
         decode_addr: "decode.test:1".into(),
+        decode_holds_pages: 0,
+    }
+}
+
+/// `Admitted` with nothing taken from the prefix cache.
+pub(super) fn admitted(request: RequestId) -> Frame {
+    Frame::Admitted {
+        request,
+        cached_tokens: 0,
+        cached_pages: 0,
     }
 }
 
 /// The text the oracle answers `prompt` with when decode reads exactly its own K/V.
-fn expected_text(prompt: &[u32], max_tokens: u32) -> String {
+pub(super) fn expected_text(prompt: &[u32], max_tokens: u32) -> String {
     OracleModel::expected(prompt, max_tokens as usize, EOS, false)
         .into_iter()
         .map(|token| char::from(b'a' + token as u8 - 1))
@@ -237,7 +248,7 @@ fn expected_text(prompt: &[u32], max_tokens: u32) -> String {
 }
 
 /// The text of the `Text` frames, and the one frame that ended the request.
-fn answer(frames: &[Frame]) -> (String, Option<&Frame>) {
+pub(super) fn answer(frames: &[Frame]) -> (String, Option<&Frame>) {
     let text = frames
         .iter()
         .filter_map(|frame| match frame {
@@ -251,7 +262,7 @@ fn answer(frames: &[Frame]) -> (String, Option<&Frame>) {
     (text, end)
 }
 
-fn failure_of(frame: &Frame) -> Failure {
+pub(super) fn failure_of(frame: &Frame) -> Failure {
     match frame {
         Frame::Failed { failure, .. } => *failure,
         other => panic!("expected Failed, got {other:?}"),
@@ -270,12 +281,7 @@ fn prefilled() -> (Worker, Link, Link, Vec<Frame>) {
         peer: PEER,
     });
     prefill.settle();
-    assert_eq!(
-        router.frames(),
-        vec![Frame::Admitted {
-            request: RequestId(1)
-        }]
-    );
+    assert_eq!(router.frames(), vec![admitted(RequestId(1))]);
     let sent = peer.frames();
     (prefill, router, peer, sent)
 }
@@ -288,19 +294,14 @@ fn reserved() -> (Worker, Link, Link) {
     let submit = submit(1, &PROMPT, MAX_TOKENS, Plan::Decode { transfer: TRANSFER });
     decode.frame(ROUTER, Frame::Submit(submit));
     decode.turn();
-    assert_eq!(
-        router.frames(),
-        vec![Frame::Admitted {
-            request: RequestId(1)
-        }]
-    );
+    assert_eq!(router.frames(), vec![admitted(RequestId(1))]);
     // prompt + max_tokens = 16 tokens: four of the eight pages, waiting for the transfer.
     assert_eq!(decode.engine.pool.pages_in_state(PageState::Receiving), 4);
     (decode, router, prefill)
 }
 
 /// The page frames of a transfer as (index, bytes), and its `Done`, which must come last.
-fn split_transfer(sent: &[Frame]) -> (Vec<(u32, Vec<u8>)>, TransferDone) {
+pub(super) fn split_transfer(sent: &[Frame]) -> (Vec<(u32, Vec<u8>)>, TransferDone) {
     let (last, pages) = sent.split_last().expect("a transfer sends frames");
     let Frame::Done(done) = last else {
         panic!("Done comes last, got {last:?}");
@@ -338,10 +339,7 @@ fn a_unified_request_answers_from_its_own_prompt_and_frees_its_pages() {
     unified.settle();
     let frames = router.frames();
     let request = RequestId(1);
-    assert_eq!(
-        frames[..2],
-        [Frame::Admitted { request }, Frame::Started { request }]
-    );
+    assert_eq!(frames[..2], [admitted(request), Frame::Started { request }]);
     let (text, end) = answer(&frames);
     assert_eq!(text, expected_text(&PROMPT, MAX_TOKENS));
     let finished = Frame::Finished {
@@ -539,9 +537,7 @@ fn requests_expire_in_the_queue_and_in_a_transfer_that_never_starts() {
         );
     }
     decode.turn();
-    let admitted = Frame::Admitted {
-        request: RequestId(1),
-    };
+    let admitted = admitted(RequestId(1));
     assert_eq!(router.frames(), [admitted]);
     assert_eq!(decode.engine.queue.len(), 1);
     let submitted = Instant::now();
@@ -631,12 +627,7 @@ fn admission_refuses_what_cannot_fit_before_allocating() {
     decode.turn();
     let frames = router.frames();
     assert_eq!(frames.len(), 3, "{frames:?}");
-    assert_eq!(
-        frames[0],
-        Frame::Admitted {
-            request: RequestId(10)
-        }
-    );
+    assert_eq!(frames[0], admitted(RequestId(10)));
     assert!(matches!(
         frames[1],
         Frame::Failed {

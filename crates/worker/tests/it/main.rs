@@ -129,6 +129,8 @@ fn reserve(request: RequestId, transfer: TransferId) -> Frame {
         },
         stop: Vec::new(),
         ignore_eos: true,
+        // These tests forge the sender: no cached pages on decode, every page must come.
+        prefix_cache: None,
         plan: Plan::Decode { transfer },
     })
 }
@@ -179,7 +181,11 @@ async fn refused(
     router.tx.send(reserve(request, transfer)).expect("send");
     assert_eq!(
         next_event(&mut router, &mut free).await,
-        Frame::Admitted { request }
+        Frame::Admitted {
+            request,
+            cached_tokens: 0,
+            cached_pages: 0
+        }
     );
     let (mut frames, mut done) = honest(request, transfer, decode.page_bytes);
     mutate(&mut frames, &mut done);
@@ -227,7 +233,11 @@ fn an_honest_transfer_is_sealed_and_decoded() {
         router.tx.send(reserve(request, transfer)).expect("send");
         assert_eq!(
             next_event(&mut router, &mut free).await,
-            Frame::Admitted { request }
+            Frame::Admitted {
+                request,
+                cached_tokens: 0,
+                cached_pages: 0
+            }
         );
         let (frames, done) = honest(request, transfer, decode.page_bytes);
         for frame in frames.into_iter().rev() {
