@@ -12,11 +12,20 @@
 //! one-sided (RDMA-write) one, where posted writes land without looking at page headers and
 //! only the quiescence protocol keeps them out of reused pages.
 //!
+//! A second model, [`prefix_cache`], checks the tenant-scoped prefix cache on both workers and
+//! the delta transfer it enables (decode reuses its cached pages, prefill sends only the rest):
+//! namespaces, refcounts, eviction, what may be written, what may enter a cache, and that
+//! decode judges a delta transfer by its own reservation. It runs the same real `Inbound` and
+//! checksum and the same page rules, over a smaller protocol; see its module docs for what it
+//! leaves to the transfer model.
+//!
 //! Each guard has a mutant that removes it; `tests/` asserts the checker finds a
 //! counterexample for the property it protects, and none without the mutant. See
 //! ARCHITECTURE.md for how each action maps to the code.
 
 pub mod model;
 pub mod pages;
+pub mod prefix_cache;
 
 pub use model::{Faults, Mutant, RequestSpec, TransferSpec, Transport};
+pub use prefix_cache::{PrefixFaults, PrefixRequest, PrefixSpec};

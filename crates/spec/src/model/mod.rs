@@ -14,7 +14,8 @@ use transfer::{transfer_checksum, Inbound, TransferDone, TransferId};
 
 use crate::pages::{Pool, Table};
 
-/// A guard removed on purpose, to show the checker notices.
+/// A guard removed on purpose, to show the checker notices. The prefix-cache variants act on
+/// [`crate::PrefixSpec`] only, the others on [`TransferSpec`] only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mutant {
     /// Byte and receive access skip the page owner/generation compare (kv's benchmark-only
@@ -48,6 +49,19 @@ pub enum Mutant {
     /// One-sided transport: decode frees an aborted or timed-out reservation at once, as the
     /// framed engine does (safe there only because a frame lands through the reservation).
     ImmediateRelease,
+    /// Prefix cache: a lookup matches by tokens only, whichever tenant published the page.
+    CacheKeyWithoutTenant,
+    /// Prefix cache: eviction may free a cached page that live tables still hold.
+    EvictReferenced,
+    /// Prefix cache: decode's receive path does not know which pages it reuses from its cache
+    /// (its `Inbound` has no `held_pages`), and writes a frame for one into the cached page.
+    WriteToShared,
+    /// Prefix cache: decode takes `Done`'s word for how many pages it already holds, instead
+    /// of its own reservation's count.
+    DeltaTrustsPrefill,
+    /// Prefix cache: decode publishes received pages when `Done` arrives, before the checksum
+    /// has verified them.
+    CacheBeforeVerify,
 }
 
 /// How page bytes get from prefill into decode's pages.

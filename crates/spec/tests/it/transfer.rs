@@ -1,7 +1,5 @@
 //! The bounded check of the transfer model, and one test per mutant showing the checker finds
 //! the counterexample for the invariant that mutant's guard protects.
-//!
-//! Every check prints the states it explored; every mutant prints its counterexample.
 
 use std::time::Instant;
 
