@@ -41,6 +41,9 @@ mod server;
 mod tables;
 #[cfg(test)]
 mod tests;
+mod workloads;
+
+pub use workloads::Workload;
 
 use crate::curves::{PoolSample, PromptLength, Sweeps, TransferReport};
 use crate::plot::{Axis, Chart, Legend, Scale, Series, Style};
@@ -51,8 +54,10 @@ use std::path::PathBuf;
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// Servers to start and measure in turn: serve, unified, llama-cpp (llama.cpp's own
-    /// llama-server, one slot per request in flight; see --llama-server), comma-separated, or
-    /// none [default: all three, unless --url is given]
+    /// llama-server, one slot per request in flight; see --llama-server), serve-nocache and
+    /// unified-nocache (with --no-prefix-cache), comma-separated, or none [default: serve,
+    /// unified and llama-cpp, unless --url is given; with --workload chat or shared-prefix:
+    /// serve, serve-nocache, unified, unified-nocache]
     #[arg(long, env = "AIRLOCK_BENCH_SPAWN", value_delimiter = ',')]
     pub(crate) spawn: Vec<String>,
     /// Measure a running endpoint, as NAME=URL (e.g. vllm=http://host:8000); repeatable
@@ -142,6 +147,27 @@ pub struct Args {
     /// builds it]
     #[arg(long, env = "AIRLOCK_BENCH_LLAMA_SERVER", value_name = "PATH")]
     pub(crate) llama_server: Option<PathBuf>,
+    /// What to send: mix (independent prompts), chat (--concurrency conversations of
+    /// --turns questions about a --context-words document, the history resent each turn) or
+    /// shared-prefix (--requests requests sharing one --context-words system prompt). The
+    /// last two report TTFT of first and later turns and each server beside its -nocache twin
+    #[arg(
+        long,
+        env = "AIRLOCK_BENCH_WORKLOAD",
+        value_enum,
+        default_value = "mix"
+    )]
+    pub(crate) workload: Workload,
+    /// Questions per conversation of --workload chat
+    #[arg(long, env = "AIRLOCK_BENCH_TURNS", default_value_t = 8)]
+    pub(crate) turns: usize,
+    /// Words of the document (chat) or system prompt (shared-prefix), about a token each
+    #[arg(long, env = "AIRLOCK_BENCH_CONTEXT_WORDS", default_value_t = 1500)]
+    pub(crate) context_words: usize,
+    /// Times to run every --spawn target in turn (A B A B ...) with --workload chat or
+    /// shared-prefix; the report gives medians over rounds
+    #[arg(long, env = "AIRLOCK_BENCH_ROUNDS", default_value_t = 1)]
+    pub(crate) rounds: usize,
     #[command(flatten)]
     pub(crate) model: ModelArgs,
 }
@@ -251,6 +277,9 @@ pub fn run(mut args: Args) -> Result<()> {
         .build()?;
     if !args.ab.is_empty() {
         return run_ab(&args, &prompts, &runtime);
+    }
+    if args.workload != Workload::Mix {
+        return workloads::run_workload(&args, &runtime);
     }
     let machine = Machine::read();
     eprintln!("{}", machine.describe());

@@ -277,7 +277,7 @@ pub(crate) async fn one_request(
 /// The load generator's client: a fresh connection per request. A kept-alive one can be closed
 /// by the server just as the next request goes out (llama-server closes each after a few
 /// requests), which fails that request for a reason no user of a real client would see.
-fn client() -> Result<reqwest::Client> {
+pub(crate) fn client() -> Result<reqwest::Client> {
     Ok(reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
         .pool_max_idle_per_host(0)

@@ -52,7 +52,8 @@ impl Server {
         Ok(server)
     }
 
-    /// Starts `name` (serve, unified or llama-cpp) on `--port`; llama-cpp's slots each hold
+    /// Starts `name` (serve, unified, serve-nocache, unified-nocache or llama-cpp) on
+    /// `--port`; a `-nocache` name runs with `--no-prefix-cache`; llama-cpp's slots each hold
     /// `slot_context` tokens.
     pub(crate) fn start(name: &str, args: &Args, slot_context: usize) -> Result<Server> {
         let model = args.model.resolve_model()?;
@@ -60,10 +61,14 @@ impl Server {
         let port = args.port.to_string();
         let url = format!("http://127.0.0.1:{port}");
         let (mut command, model_id) = match name {
-            "serve" | "unified" => {
+            "serve" | "unified" | "serve-nocache" | "unified-nocache" => {
                 let mut command = Command::new(std::env::current_exe()?);
-                command.args([name, "--port", &port, "--threads", &threads]);
+                let role = name.trim_end_matches("-nocache");
+                command.args([role, "--port", &port, "--threads", &threads]);
                 command.arg("--model").arg(&model);
+                if role != name {
+                    command.arg("--no-prefix-cache");
+                }
                 if let Some(ms) = args.queue_timeout_ms {
                     command.args(["--queue-timeout-ms", &ms.to_string()]);
                 }
@@ -83,7 +88,10 @@ impl Server {
                 command.args(["--alias", "llama-cpp"]);
                 (command, "llama-cpp".to_string())
             }
-            other => bail!("unknown server '{other}' (serve, unified, llama-cpp)"),
+            other => bail!(
+                "unknown server '{other}' (serve, unified, serve-nocache, unified-nocache, \
+                 llama-cpp)"
+            ),
         };
         let child = command
             .stdout(Stdio::null())

@@ -220,7 +220,7 @@ impl PagePool {
         self.owner_check_off = !on;
     }
 
-    fn owner_check_skipped(&self) -> bool {
+    pub(crate) fn owner_check_skipped(&self) -> bool {
         #[cfg(feature = "fault-injection")]
         if self.owner_check_off {
             return true;
@@ -591,8 +591,11 @@ impl PagePool {
             .get(page.index())
             .ok_or(Error::UnknownPage { page })?;
         // Benchmark builds only (`unguarded-owner-check`) and fault-injection test runs: the
-        // per-step read checks go. Release and state changes keep theirs.
-        let skip = self.owner_check_skipped() && access != Access::Header;
+        // per-step read checks go. Release and state changes keep theirs, except for shared
+        // pages, whose tenant check goes everywhere (so a test can show a wrong prefix lookup
+        // reaching another tenant's pages).
+        let shared = matches!(holder, Holder::Tenant(_));
+        let skip = self.owner_check_skipped() && (access != Access::Header || shared);
         if !skip && header.generation != generation {
             return Err(Error::StaleGeneration {
                 page,
@@ -607,7 +610,6 @@ impl PagePool {
                 found: header.holder,
             });
         }
-        let shared = matches!(holder, Holder::Tenant(_));
         // A shared claim is only ever read, whatever the access: it never receives bytes.
         let allowed = match access {
             _ if shared => header.state == PageState::Shared,

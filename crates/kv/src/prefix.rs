@@ -92,6 +92,11 @@ pub struct PrefixCache {
     nodes: HashMap<NodeKey, Node>,
     clock: u64,
     stats: PrefixStats,
+    /// Test builds only: the index forgets the tenant (every key and check uses one tenant),
+    /// to show that the pool's own tenant check is what stops the bug, and that without both
+    /// one tenant reads another's pages.
+    #[cfg(feature = "fault-injection")]
+    tenant_ignored: bool,
 }
 
 impl PrefixCache {
@@ -102,7 +107,24 @@ impl PrefixCache {
             nodes: HashMap::new(),
             clock: 0,
             stats: PrefixStats::default(),
+            #[cfg(feature = "fault-injection")]
+            tenant_ignored: false,
         }
+    }
+
+    /// Test builds only (`fault-injection`): key the index without the tenant (see the field).
+    #[cfg(feature = "fault-injection")]
+    pub fn set_tenant_ignored_for_test(&mut self, ignored: bool) {
+        self.tenant_ignored = ignored;
+    }
+
+    /// The tenant the index keys by: `tenant`, except in a fault-injection run that forgets it.
+    fn key_tenant(&self, tenant: TenantId) -> TenantId {
+        #[cfg(feature = "fault-injection")]
+        if self.tenant_ignored {
+            return TenantId(0);
+        }
+        tenant
     }
 
     /// The longest run of leading full pages of `tokens` that `tenant` has cached in
@@ -118,9 +140,10 @@ impl PrefixCache {
         self.clock += 1;
         let mut found = CachedPrefix::none(tenant);
         let mut parent: Digest = 0;
+        let key_tenant = self.key_tenant(tenant);
         for page_tokens in tokens.chunks_exact(self.page_size_tokens) {
             let key = NodeKey {
-                tenant,
+                tenant: key_tenant,
                 partition,
                 parent,
                 tokens: page_tokens.into(),
@@ -128,7 +151,7 @@ impl PrefixCache {
             let Some(node) = self.nodes.get_mut(&key) else {
                 break;
             };
-            if !pool.is_shared_by(node.page, node.generation, tenant) {
+            if !pool.is_shared_by(node.page, node.generation, key_tenant) && key_tenant == tenant {
                 // Only eviction through this index frees a shared page, so this is a bug;
                 // the pool would refuse the page anyway.
                 debug_assert!(false, "indexed page {:?} is no longer shared", node.page);
@@ -154,7 +177,7 @@ impl PrefixCache {
         partition: Partition,
         tokens: &[u32],
     ) -> usize {
-        let tenant = table.owner().tenant;
+        let tenant = self.key_tenant(table.owner().tenant);
         let full_pages = (tokens.len() / self.page_size_tokens).min(table.pages().len());
         let mut parent: Digest = 0;
         let mut publishable = 0;

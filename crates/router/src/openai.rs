@@ -155,7 +155,7 @@ pub struct Job {
     pub ignore_eos: bool,
     pub stream: bool,
     pub include_usage: bool,
-    /// The client's `cache_salt`, checked (1 to 256 bytes).
+    /// The client's `cache_salt`, checked (1 to 256 characters).
     pub cache_salt: Option<String>,
 }
 
@@ -172,8 +172,8 @@ pub struct Limits<'a> {
 /// request the router accepts is one the worker link can encode.
 const STOP_BYTES_MAX: usize = 256;
 
-/// Longest `cache_salt`, as vLLM's.
-pub const CACHE_SALT_BYTES_MAX: usize = 256;
+/// Longest `cache_salt`, in characters (as the schema's `maxLength` counts).
+pub const CACHE_SALT_CHARS_MAX: usize = 256;
 const _: () = assert!(STOP_BYTES_MAX <= transfer::MAX_STRING_BYTES);
 
 // The untagged enums' schemas are written out: a `oneOf` of what each variant accepts, with
@@ -458,13 +458,13 @@ fn build_job(
     let cache_salt = match common.cache_salt {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(salt))
-            if !salt.is_empty() && salt.len() <= CACHE_SALT_BYTES_MAX =>
+            if !salt.is_empty() && salt.chars().count() <= CACHE_SALT_CHARS_MAX =>
         {
             Some(salt)
         }
         Some(_) => {
             return Err(ApiError::invalid(
-                format!("cache_salt must be a string of 1 to {CACHE_SALT_BYTES_MAX} bytes"),
+                format!("cache_salt must be a string of 1 to {CACHE_SALT_CHARS_MAX} characters"),
                 "cache_salt",
             ))
         }

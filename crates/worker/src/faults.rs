@@ -28,7 +28,8 @@
 //! | `no-admission` | guard off | the worker skips its pool-size admission check and advertises its context length as its capacity |
 //! | `no-preflight` | guard off | only the start-up check (I8) is skipped: the worker runs with a pool smaller than its context and advertises its real capacity, so admission must refuse what it cannot hold |
 //! | `no-transfer-verify` | guard off | decode seals a transfer without checking counts, pages or checksum (I4) |
-//! | `no-owner-check` | guard off | the pool skips the owner/generation compare on reads (I1) |
+//! | `no-owner-check` | guard off | the pool skips the owner/generation compare on reads (I1), and the tenant compare of shared prefix-cache pages everywhere |
+//! | `cache-ignores-tenant` | guard off | the prefix index forgets the tenant: any tenant's cached pages match a prompt (I10's first guard; the pool's tenant check is the second) |
 
 use std::time::Duration;
 
@@ -180,6 +181,7 @@ mod imp {
         NoPreflight,
         NoTransferVerify,
         NoOwnerCheck,
+        CacheIgnoresTenant,
     }
 
     #[derive(Clone, Copy, Debug, PartialEq)]
@@ -317,6 +319,9 @@ mod imp {
         pub(crate) fn owner_checked(&self) -> bool {
             !self.has(Fault::NoOwnerCheck)
         }
+        pub(crate) fn cache_keyed_by_tenant(&self) -> bool {
+            !self.has(Fault::CacheIgnoresTenant)
+        }
 
         pub(crate) fn incident(&mut self) -> bool {
             self.fires(|f| f == Fault::Incident).is_some()
@@ -435,6 +440,7 @@ mod imp {
             "no-preflight" => Fault::NoPreflight,
             "no-transfer-verify" => Fault::NoTransferVerify,
             "no-owner-check" => Fault::NoOwnerCheck,
+            "cache-ignores-tenant" => Fault::CacheIgnoresTenant,
             other => {
                 return Err(FaultPlanError(format!(
                     "unknown fault `{other}` (see worker/src/faults.rs for the list)"

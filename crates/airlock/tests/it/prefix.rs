@@ -145,7 +145,7 @@ fn cache_salt_narrows_sharing_within_a_tenant_and_never_widens_it() {
         assert_eq!(ask(url, "sk-org-1-0123456789", salt()).await.1, 0);
         assert_eq!(ask(url, "sk-org-12345-0123456789", None).await.1, 0);
 
-        // A salt that is not a string of 1 to 256 bytes is refused with 400, and the server
+        // A salt that is not a string of 1 to 256 characters is refused with 400, and the server
         // serves on.
         for bad in [json!(5), json!(""), json!("x".repeat(257)), json!(["a"])] {
             let body = request(Some(bad.clone())).to_string().into_bytes();
@@ -179,4 +179,49 @@ fn the_operator_can_turn_prefix_reuse_off() {
         assert_eq!(total(url, "airlock_prefix_cache_pages").await, 0.0);
         assert_eq!(total(url, "airlock_prefix_cache_lookups_total").await, 0.0);
     });
+}
+
+/// With the prefix index forgetting the tenant (a planted bug), the pool's own tenant check
+/// keeps Bob off Alice's cached pages: he is answered cold and the refusal is counted. With
+/// the pool's check off too, Bob's request starts from Alice's pages: a cross-tenant hit
+/// (the oracle cannot tell the same tokens apart, so the hit itself is the leak signal).
+#[test]
+fn a_prefix_index_that_forgets_the_tenant_is_stopped_by_the_pools_check() {
+    use crate::harness::Backend;
+    use transfer::Role;
+    use worker::{Fault, FaultPlan, When};
+    let plan = |faults: &[Fault]| {
+        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
+            plan.with(fault, When::Always)
+        })
+    };
+    for (faults, guarded) in [
+        (plan(&[Fault::CacheIgnoresTenant]), true),
+        (
+            plan(&[Fault::CacheIgnoresTenant, Fault::NoOwnerCheck]),
+            false,
+        ),
+    ] {
+        let mut options = Options::new(Mode::Unified);
+        options.backend = Backend::Oracle;
+        options.keys = Some(KEYS);
+        options.faults = vec![(Role::Unified, faults)];
+        let server = start(options);
+        runtime().block_on(async {
+            let url = server.url.as_str();
+            let (alice_text, _, _) = ask(url, ALICE, None).await;
+            let (bob_text, bob_cached, _) = ask(url, BOB, None).await;
+            let refused = total(url, "airlock_ownership_check_failures_total").await;
+            if guarded {
+                assert_eq!(bob_cached, 0, "the pool refused Alice's pages to Bob");
+                assert_eq!(bob_text, alice_text, "Bob answered cold, oracle-exact");
+                assert!(refused >= 1.0, "the refusal is counted: {refused}");
+            } else {
+                assert!(
+                    bob_cached > 0,
+                    "without both guards Bob starts from Alice's pages"
+                );
+            }
+        });
+    }
 }

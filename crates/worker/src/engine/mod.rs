@@ -211,7 +211,10 @@ impl Engine {
     ) -> Engine {
         #[cfg(feature = "fault-injection")]
         pool.set_owner_check_for_test(config.faults.owner_checked());
-        let cache = PrefixCache::new(pool.layout().page_size_tokens);
+        #[allow(unused_mut)]
+        let mut cache = PrefixCache::new(pool.layout().page_size_tokens);
+        #[cfg(feature = "fault-injection")]
+        cache.set_tenant_ignored_for_test(!config.faults.cache_keyed_by_tenant());
         Engine {
             config,
             model,

@@ -43,7 +43,16 @@ impl Engine {
                     return None;
                 }
             }
-            Err(error) => panic!("allocation fails only for want of pages: {error}"),
+            Err(error) => {
+                // The pool refused the cached prefix (not this tenant's, or stale): a bug in
+                // the index, counted like any failed page check. The request runs cold.
+                self.ownership_failures += 1;
+                tracing::error!(%error, "a cached prefix did not verify; computing it again");
+                return self
+                    .pool
+                    .allocate_with_prefix(owner, &CachedPrefix::none(owner.tenant), needed)
+                    .ok();
+            }
         }
         match self.pool.allocate_with_prefix(owner, prefix, needed) {
             Ok(table) => Some(table),

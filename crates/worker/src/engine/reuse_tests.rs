@@ -310,3 +310,77 @@ fn split_transfer_of(sent: &[Frame], transfer: TransferId) -> (Vec<u32>, transfe
         .collect();
     (indices, *done)
 }
+
+#[test]
+fn decodes_cache_is_keyed_by_tenant_too() {
+    // TEST-MATRIX I06: every tier honours the namespace, decode's as well as prefill's.
+    let mut pair = Pair::new();
+    pair.reserve(1, TRANSFER);
+    let sent = pair.prefill(1, TRANSFER, 0);
+    pair.deliver(sent);
+    pair.decode.settle();
+    pair.decode_router.frames();
+    assert_eq!(pair.decode.engine.cache.stats().cached_pages, 2);
+    let plan = Plan::Decode {
+        transfer: TransferId(502),
+    };
+    let other = cached(2, TenantId(8), 0, plan);
+    pair.decode.frame(ROUTER, Frame::Submit(other));
+    pair.decode.turn();
+    assert_eq!(pair.decode_router.frames()[0], admitted(RequestId(2)));
+    pair.decode.frame(
+        ROUTER,
+        Frame::Abort {
+            request: RequestId(2),
+        },
+    );
+    pair.decode.turn();
+    pair.decode.assert_idle_but_cached();
+}
+
+/// Tenant 8 submits three prompts at once after tenant 7 ran `earlier`; returns the order in
+/// which tenant 8's requests finished and the prompt tokens the worker computed for them.
+fn tenant_8_batch_after(earlier: &[u32]) -> (Vec<RequestId>, u64) {
+    let (mut unified, mut router) = Worker::new(Role::Unified, 64);
+    let first = Submit {
+        prefix_cache: Some(Partition(0)),
+        ..submit(1, earlier, MAX_TOKENS, Plan::Unified)
+    };
+    unified.run_unified(&mut router, first);
+    let before = unified.engine.prefilled_tokens;
+    let mut candidates = [PROMPT; 3];
+    candidates[0][0] = 3;
+    candidates[2][0] = 9;
+    for (i, prompt) in candidates.iter().enumerate() {
+        let request = Submit {
+            tenant: TenantId(8),
+            prefix_cache: Some(Partition(0)),
+            ..submit(10 + i as u64, prompt, MAX_TOKENS, Plan::Unified)
+        };
+        unified.frame(ROUTER, Frame::Submit(request));
+    }
+    unified.settle();
+    let finished = router
+        .frames()
+        .into_iter()
+        .filter_map(|frame| match frame {
+            Frame::Finished { request, .. } => Some(request),
+            _ => None,
+        })
+        .collect();
+    (finished, unified.engine.prefilled_tokens - before)
+}
+
+#[test]
+fn another_tenants_cache_changes_neither_the_order_nor_the_work_of_a_batch() {
+    // TEST-MATRIX I08: with tenant 7 having cached the middle candidate, tenant 8's batch
+    // finishes in the same order and costs the same prefill as when tenant 7 sent something
+    // else: scheduling never sees another tenant's hit.
+    let mut other = PROMPT;
+    other[0] = 20;
+    let with_victim_cached = tenant_8_batch_after(&PROMPT);
+    let without = tenant_8_batch_after(&other);
+    assert_eq!(with_victim_cached, without);
+    assert_eq!(with_victim_cached.1, 3 * 9, "every prompt token computed");
+    assert_eq!(with_victim_cached.0.len(), 3);
+}
