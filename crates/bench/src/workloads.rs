@@ -334,7 +334,7 @@ fn print_report(args: &Args, targets: &[String], rounds: &BTreeMap<(String, usiz
     );
     println!(
         "| server | concurrency | output tok/s | TTFT p50 first ms | TTFT p50 later ms | \
-         prompt tokens p50 | cached tokens p50 | vs -nocache: tok/s | TTFT later | failed |"
+         prompt tokens p50 | cached tokens p50 | vs -nocache: tok/s | TTFT (later) | failed |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let summary = |name: &str, concurrency: usize| {
@@ -344,9 +344,13 @@ fn print_report(args: &Args, targets: &[String], rounds: &BTreeMap<(String, usiz
                 .iter()
                 .map(|r| stats::median(&r.first_ttft))
                 .collect();
+            // Shared-prefix requests are all first turns: their TTFT stands in.
             let later: Vec<f64> = rounds
                 .iter()
-                .map(|r| stats::median(&r.later_ttft))
+                .map(|r| match r.later_ttft.is_empty() {
+                    true => stats::median(&r.first_ttft),
+                    false => stats::median(&r.later_ttft),
+                })
                 .collect();
             (
                 stats::median(&rate),

@@ -159,6 +159,19 @@ impl Pair {
         self.to_decode.frames()
     }
 
+    /// Request 1 of the tenant, sent by prefill (its frames passed through `tamper` first) and
+    /// delivered to decode, which caches its pages if it verifies; returns decode's answer to
+    /// prefill, with decode's router frames read and dropped.
+    fn first_transfer(&mut self, tamper: impl FnOnce(&mut Vec<Frame>)) -> Vec<Frame> {
+        self.reserve(1, TRANSFER);
+        let mut sent = self.prefill(1, TRANSFER, 0);
+        tamper(&mut sent);
+        let answer = self.deliver(sent);
+        self.decode.settle();
+        self.decode_router.frames();
+        answer
+    }
+
     /// Delivers `frames` to decode and returns decode's answer to prefill.
     fn deliver(&mut self, frames: Vec<Frame>) -> Vec<Frame> {
         for frame in frames {
@@ -210,11 +223,7 @@ fn decode_receives_only_the_pages_it_lacks_and_checks_all_it_reads() {
 #[test]
 fn decode_goes_by_its_own_count_of_held_pages_not_the_senders() {
     let mut pair = Pair::new();
-    pair.reserve(1, TRANSFER);
-    let sent = pair.prefill(1, TRANSFER, 0);
-    pair.deliver(sent);
-    pair.decode.settle();
-    pair.decode_router.frames();
+    pair.first_transfer(|_| {});
     // Decode holds two pages; a sender that believes it holds none sends a frame for a held
     // page, which would overwrite a shared page: refused, and the request fails cleanly.
     let second = TransferId(501);
@@ -238,17 +247,15 @@ fn a_wrong_reuse_on_decode_fails_the_checksum_like_corruption() {
     let mut pair = Pair::new();
     // A sender that lies consistently: page 1 altered and the checksum made to match. Decode
     // cannot tell, and caches what it verified.
-    pair.reserve(1, TRANSFER);
-    let mut sent = pair.prefill(1, TRANSFER, 0);
-    if let Frame::Page { bytes, .. } = &mut sent[1] {
-        bytes[5] ^= 1;
-    }
-    let (pages, mut done) = split_transfer(&sent);
-    done.checksum = transfer_checksum(&done, pages.iter().map(|p| p.1.as_slice()));
-    *sent.last_mut().expect("Done") = Frame::Done(done);
-    assert_eq!(pair.deliver(sent), [Frame::Ack { transfer: TRANSFER }]);
-    pair.decode.settle();
-    pair.decode_router.frames();
+    let answer = pair.first_transfer(|sent| {
+        if let Frame::Page { bytes, .. } = &mut sent[1] {
+            bytes[5] ^= 1;
+        }
+        let (pages, mut done) = split_transfer(sent);
+        done.checksum = transfer_checksum(&done, pages.iter().map(|p| p.1.as_slice()));
+        *sent.last_mut().expect("Done") = Frame::Done(done);
+    });
+    assert_eq!(answer, [Frame::Ack { transfer: TRANSFER }]);
     // The honest sender's checksum covers the pages decode reuses: they differ, so the
     // transfer is refused rather than answered from K/V the sender never vouched for.
     let second = TransferId(501);
@@ -269,12 +276,11 @@ fn a_wrong_reuse_on_decode_fails_the_checksum_like_corruption() {
 fn a_corrupt_transfer_never_enters_the_cache() {
     // TEST-MATRIX I12: the repeat recomputes instead of reusing what failed verification.
     let mut pair = Pair::new();
-    pair.reserve(1, TRANSFER);
-    let mut sent = pair.prefill(1, TRANSFER, 0);
-    if let Frame::Page { bytes, .. } = &mut sent[0] {
-        bytes[5] ^= 1;
-    }
-    let answer_to_prefill = pair.deliver(sent);
+    let answer_to_prefill = pair.first_transfer(|sent| {
+        if let Frame::Page { bytes, .. } = &mut sent[0] {
+            bytes[5] ^= 1;
+        }
+    });
     assert!(matches!(
         answer_to_prefill[0],
         Frame::Nack {
@@ -283,7 +289,6 @@ fn a_corrupt_transfer_never_enters_the_cache() {
         }
     ));
     assert_eq!(pair.decode.engine.cache.stats().cached_pages, 0);
-    pair.decode_router.frames();
     let second = TransferId(501);
     assert_eq!(pair.reserve(2, second), admitted(RequestId(2)));
     let sent = pair.prefill(2, second, 0);
@@ -315,11 +320,7 @@ fn split_transfer_of(sent: &[Frame], transfer: TransferId) -> (Vec<u32>, transfe
 fn decodes_cache_is_keyed_by_tenant_too() {
     // TEST-MATRIX I06: every tier honours the namespace, decode's as well as prefill's.
     let mut pair = Pair::new();
-    pair.reserve(1, TRANSFER);
-    let sent = pair.prefill(1, TRANSFER, 0);
-    pair.deliver(sent);
-    pair.decode.settle();
-    pair.decode_router.frames();
+    pair.first_transfer(|_| {});
     assert_eq!(pair.decode.engine.cache.stats().cached_pages, 2);
     let plan = Plan::Decode {
         transfer: TransferId(502),
