@@ -259,10 +259,10 @@ pub fn run(args: Args) -> Result<()> {
         (None, None) => bail!("say what to audit: --url URL, or --spawn serve"),
     };
     let setup = connect(&args, &runtime, url, tenants, options, client)?;
-    eprintln!("canary: {}", setup.describe());
     if let Some(timing) = setup.options.timing {
         return timing::run(&setup, timing, &runtime, args.json.as_deref());
     }
+    eprintln!("canary: {}", setup.describe());
     let started = Instant::now();
     let audit = runtime.block_on(audit(&setup));
     let report = Report {

@@ -15,6 +15,7 @@ use crate::plan::Setup;
 use crate::random_seed;
 use crate::send::clip;
 use crate::send::send_timed;
+use crate::send::Timed;
 use crate::write_json;
 use crate::PROMPT_OVERHEAD_TOKENS;
 use crate::WORDS;
@@ -121,6 +122,23 @@ impl Measured {
             .sum()
     }
 
+    /// One answer: its first token's time and cached tokens, or why there was none.
+    pub(crate) fn record(&mut self, kind: Kind, timed: &Timed) {
+        match (timed.status == Ok(200), timed.first_token) {
+            (true, Some(seconds)) => {
+                self.seconds[kind as usize].push(seconds);
+                let cached = timed.cached_tokens.unwrap_or(0);
+                self.cached_tokens[kind as usize].push(cached);
+            }
+            _ => {
+                self.failures_seen += 1;
+                if self.failures.len() < FAILURES_SHOWN {
+                    self.failures.push(describe(timed));
+                }
+            }
+        }
+    }
+
     pub(crate) fn verdict(&self) -> std::result::Result<(), String> {
         let cross = self.test(Kind::CrossShared, Kind::CrossFresh);
         let control = self.test(Kind::OwnShared, Kind::OwnFresh);
@@ -213,6 +231,12 @@ pub(crate) async fn measure(setup: &Setup, timing: TimingOptions) -> Result<Meas
             describe(&warm)
         );
     }
+    // B's first request opens its connection: not measured, so neither sample pays for it.
+    let fresh = words(&mut rng, timing.prefix_tokens);
+    let warm = send_timed(setup, 1, body(fresh, &format!("canary-timing-{nonce}-b"))).await;
+    if warm.status != Ok(200) {
+        bail!("tenant B's first request failed: {}", describe(&warm));
+    }
     let mut measured = Measured::default();
     for round in 0..timing.samples {
         let mut order = Kind::ALL;
@@ -230,19 +254,7 @@ pub(crate) async fn measure(setup: &Setup, timing: TimingOptions) -> Result<Meas
                 _ => format!("canary-timing-{nonce}-b{round}-{}", kind.key()),
             };
             let timed = send_timed(setup, kind.tenant(), body(prompt, &salt)).await;
-            match (timed.status == Ok(200), timed.first_token) {
-                (true, Some(seconds)) => {
-                    measured.seconds[kind as usize].push(seconds);
-                    let cached = timed.cached_tokens.unwrap_or(0);
-                    measured.cached_tokens[kind as usize].push(cached);
-                }
-                _ => {
-                    measured.failures_seen += 1;
-                    if measured.failures.len() < FAILURES_SHOWN {
-                        measured.failures.push(describe(&timed));
-                    }
-                }
-            }
+            measured.record(kind, &timed);
         }
         if (round + 1) % 10 == 0 {
             eprintln!(
@@ -255,7 +267,7 @@ pub(crate) async fn measure(setup: &Setup, timing: TimingOptions) -> Result<Meas
     Ok(measured)
 }
 
-fn describe(timed: &crate::send::Timed) -> String {
+fn describe(timed: &Timed) -> String {
     match &timed.status {
         Err(error) => clip(error, 200),
         Ok(status) => format!("HTTP {status}, no first token: {}", clip(&timed.body, 160)),
@@ -268,8 +280,9 @@ pub(crate) fn median_ms(values: &[f64]) -> f64 {
 
 fn print(setup: &Setup, timing: TimingOptions, measured: &Measured, wall: f64) {
     println!(
-        "\n== airlock canary timing audit (TEST-MATRIX I07)\n{}",
-        setup.describe()
+        "\n== airlock canary timing audit (TEST-MATRIX I07)\n{} model {}, tenant A {}, tenant \
+         B {}, seed {}",
+        setup.url, setup.model, setup.tenants[0].name, setup.tenants[1].name, setup.options.seed
     );
     println!(
         "prefix P of {} tokens, suffix {SUFFIX_WORDS} words, max_tokens 1, {} rounds, one \
