@@ -605,3 +605,66 @@ fn canary_is_clean_with_the_incident_planted_and_red_without_the_guards() {
         }
     }
 }
+
+/// The shared-system-prompt mode shown able to fail on the real server: a cluster whose
+/// prefix index forgets the tenant (planted fault) is still clean while the pool's tenant
+/// check refuses the pages; with that check off too, tenants start from each other's cached
+/// system prompt, and the auditor names the cross-tenant hits.
+#[test]
+fn canary_shared_system_prompt_is_red_when_the_cache_forgets_the_tenant() {
+    use crate::harness::{self, Backend, Mode, Options};
+    use transfer::Role;
+    use worker::{Fault, FaultPlan, When};
+    const KEYS: &str = "[tenants.t0]\nkeys = [\"sk-t0-0123456789\"]\n\
+                        [tenants.t1]\nkeys = [\"sk-t1-0123456789\"]\n\
+                        [tenants.t2]\nkeys = [\"sk-t2-0123456789\"]\n";
+    let plan = |faults: &[Fault]| {
+        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
+            plan.with(fault, When::Always)
+        })
+    };
+    for (faults, clean) in [
+        (plan(&[Fault::CacheIgnoresTenant]), true),
+        (
+            plan(&[Fault::CacheIgnoresTenant, Fault::NoOwnerCheck]),
+            false,
+        ),
+    ] {
+        let mut options = Options::new(Mode::Unified);
+        options.backend = Backend::Oracle;
+        options.keys = Some(KEYS);
+        options.context_length = Some(1024);
+        options.kv_tokens = 8192;
+        options.faults = vec![(Role::Unified, faults)];
+        let server = harness::start(options);
+        let args = [
+            "--url",
+            &server.url,
+            "--keys",
+            "sk-t0-0123456789,sk-t1-0123456789,sk-t2-0123456789",
+            "--shared-prefix-tokens",
+            "160",
+            "--requests",
+            "24",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+            "--seed",
+            "13",
+        ];
+        let name = if clean { "forgets-guarded" } else { "forgets" };
+        let (output, report) = canary(name, &args);
+        let shared = &report["shared_prefix"];
+        let hits = shared["cross_tenant_hits"].as_array().expect("hits").len();
+        assert!(shared["checked"].as_u64() > Some(0), "{report:#}");
+        if clean {
+            assert_eq!(output.status.code(), Some(0), "{}", shown(&output));
+            assert_eq!(hits, 0, "{report:#}");
+            assert!(shared["same_tenant_hits"].as_u64() > Some(0), "{report:#}");
+        } else {
+            assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+            assert!(hits > 0, "the shared cache went unseen: {report:#}");
+        }
+    }
+}
