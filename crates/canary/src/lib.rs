@@ -73,14 +73,15 @@ requests with a fresh cache_salt (--fresh-salt-fraction, a quarter), a partition
 before; the report counts them, and the same-tenant hits that show the cache is on. Tenants
 need keys of their own: a server scopes its cache by key.
 
-Timing audit (--timing-audit, instead of the leak audit; one request at a time): for each of
---timing-samples pairs, tenant A sends a fresh random prefix P of --timing-prefix-tokens
-(1000) so it is cached; then, in random order, B sends P + a short suffix and a fresh prefix
-of the same length + suffix, and A sends P + suffix and a fresh prefix + suffix (the control).
-Each is streamed with max_tokens 1 and timed to its first token. B never sends a prefix
-twice, so B's own cache helps neither sample. The two-sample Kolmogorov-Smirnov test must find
-B's two samples indistinguishable (p > 0.01) and A's control different (p < 1e-6: the cache
-works and the audit has power); B's answers must all report cached_tokens 0.
+Timing audit (--timing-audit, instead of the leak audit; one request at a time): tenant A
+sends a random prefix P of --timing-prefix-tokens (1000) so it is cached. Then, for each of
+--timing-samples rounds, four requests in a random order: B sends P + a short suffix and a
+fresh random prefix of the same length + suffix, each with a cache_salt never used before (so
+B's own cache helps neither sample); A sends P + suffix and a fresh prefix + suffix, with one
+salt of its own (the control). Each is streamed with max_tokens 1 and timed to its first
+token. The two-sample Kolmogorov-Smirnov test must find B's two samples indistinguishable
+(p > 0.01) and A's control different (p < 1e-6: the cache works and the audit has power); B's
+answers must all report cached_tokens 0. Prompts and salts are fresh for every run.
 
 Exit status: 0 when clean (no leak, no should-fail request answered 2xx, no cross-tenant
 cache hit, and some request that should succeed got a 2xx; for --timing-audit, both tests
