@@ -8,6 +8,9 @@ use crate::plan::Registry;
 use crate::send::clip;
 use crate::send::send;
 use crate::send::Outcome;
+use crate::shared::Answered;
+use crate::shared::PrefixAudit;
+use crate::shared::Ticket;
 use crate::Setup;
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicUsize;
@@ -94,6 +97,8 @@ pub(crate) struct Audit {
     pub(crate) failures_seen: usize,
     pub(crate) cut_short: usize,
     pub(crate) stream_errors: usize,
+    /// Shared-system-prompt mode's reuse checks.
+    pub(crate) prefix: PrefixAudit,
 }
 
 /// Failures and echoes shown in the report (all are counted, and all in --json).
@@ -160,6 +165,23 @@ impl Audit {
                 self.leaks.push(finding);
             }
         }
+    }
+
+    /// Ends a request's claim on its partition and, for a 2xx answer to a request that
+    /// should succeed, records what it says of reuse.
+    pub(crate) fn record_reuse(&mut self, plan: &Plan, outcome: &Outcome, ticket: Ticket) {
+        let checked = self.prefix.partitions.end(ticket);
+        if plan.class.should_fail() || !matches!(outcome.status, Ok(200..=299)) {
+            return;
+        }
+        let answered = Answered {
+            request: plan.index,
+            tenant: plan.tenant,
+            what: plan.describe(),
+            salted: plan.salt.is_some(),
+            outcome,
+        };
+        self.prefix.record(answered, checked);
     }
 
     /// Both twins answered 200: their texts must be equal.
@@ -231,13 +253,14 @@ impl Audit {
         };
         format!(
             "canary: {done}, 2xx {}, 4xx {}, 5xx {}, transport errors {}, leaks {}, \
-             wrong 200s {}",
+             wrong 200s {}, cross-tenant cache hits {}",
             self.total(200..300),
             self.total(400..500),
             self.total(500..600),
             self.transport(),
             self.leaks.len(),
-            self.wrong.len()
+            self.wrong.len(),
+            self.prefix.cross_hits.len()
         )
     }
 }
@@ -258,38 +281,39 @@ pub(crate) fn around(text: &str, body: &str, code: &str) -> String {
     clip(&haystack[start..end], 200)
 }
 
-/// Runs the requests, `concurrency` lanes pulling the next index until the bound, with a
-/// progress line on stderr every 2 s.
+/// Runs the requests: first the probes one at a time (shared-system-prompt mode), then
+/// `concurrency` lanes pulling the next index until the bound, with a progress line on
+/// stderr every 2 s.
 pub(crate) async fn audit(setup: &Setup) -> Audit {
-    let next = AtomicUsize::new(0);
+    let probes = setup.probes();
+    let next = AtomicUsize::new(probes);
     let registry = Registry::default();
     let audit = Mutex::new(Audit::default());
     let started = Instant::now();
     let deadline = setup.options.duration.map(|d| started + d);
     let limit = setup.options.requests;
-    let lanes = (0..setup.options.concurrency).map(|_| async {
-        loop {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+    let past_deadline = || deadline.is_some_and(|d| Instant::now() >= d);
+    let run = async {
+        for index in 0..probes {
+            if past_deadline() {
                 return;
             }
-            let index = next.fetch_add(1, Ordering::Relaxed);
-            if limit.is_some_and(|n| index >= n) {
-                return;
-            }
-            let plan = plan(setup, index, &registry);
-            let outcome = send(setup, &plan).await;
-            let scanned = format!("{}\n{}", outcome.body, outcome.text);
-            let found = registry.find(&scanned);
-            lock(&audit).record(&plan, &outcome, &found);
-            if plan.twin && outcome.status == Ok(200) {
-                let twin = send(setup, &plan).await;
-                let found = registry.find(&format!("{}\n{}", twin.body, twin.text));
-                let mut audit = lock(&audit);
-                audit.record(&plan, &twin, &found);
-                audit.compare_twins(&plan, &outcome, &twin);
-            }
+            one(setup, index, &registry, &audit).await;
         }
-    });
+        let lanes = (0..setup.options.concurrency).map(|_| async {
+            loop {
+                if past_deadline() {
+                    return;
+                }
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if limit.is_some_and(|n| index >= n) {
+                    return;
+                }
+                one(setup, index, &registry, &audit).await;
+            }
+        });
+        futures_util::future::join_all(lanes).await;
+    };
     let progress = async {
         loop {
             tokio::time::sleep(Duration::from_secs(2)).await;
@@ -298,7 +322,7 @@ pub(crate) async fn audit(setup: &Setup) -> Audit {
         }
     };
     tokio::select! {
-        _ = futures_util::future::join_all(lanes) => {}
+        _ = run => {}
         _ = progress => {}
     }
     let mut audit = audit.into_inner().unwrap_or_else(PoisonError::into_inner);
@@ -306,5 +330,42 @@ pub(crate) async fn audit(setup: &Setup) -> Audit {
     audit.leaks.sort_by_key(|f| (f.request, f.victim));
     audit.echoes.sort_by_key(|f| (f.request, f.victim));
     audit.wrong.sort_by_key(|w| w.request);
+    audit.prefix.cross_hits.sort_by_key(|h| h.request);
     audit
+}
+
+/// Request `index`, and its twin when it has one: sent, scanned and recorded. Reuse is
+/// judged only in shared-system-prompt mode, whose prompts open with a nonce fresh for the
+/// run: elsewhere a prompt seen in an earlier run (same seed, same server) may be cached.
+async fn one(setup: &Setup, index: usize, registry: &Registry, audit: &Mutex<Audit>) {
+    let plan = plan(setup, index, registry);
+    let begin = |audit: &Mutex<Audit>| {
+        let mut audit = lock(audit);
+        let partitions = &mut audit.prefix.partitions;
+        setup
+            .shared
+            .is_some()
+            .then(|| partitions.begin(plan.tenant, plan.salt.as_deref()))
+    };
+    let ticket = begin(audit);
+    let outcome = send(setup, &plan).await;
+    let found = registry.find(&format!("{}\n{}", outcome.body, outcome.text));
+    {
+        let mut audit = lock(audit);
+        audit.record(&plan, &outcome, &found);
+        if let Some(ticket) = ticket {
+            audit.record_reuse(&plan, &outcome, ticket);
+        }
+    }
+    if plan.twin && outcome.status == Ok(200) {
+        let ticket = begin(audit);
+        let twin = send(setup, &plan).await;
+        let found = registry.find(&format!("{}\n{}", twin.body, twin.text));
+        let mut audit = lock(audit);
+        audit.record(&plan, &twin, &found);
+        if let Some(ticket) = ticket {
+            audit.record_reuse(&plan, &twin, ticket);
+        }
+        audit.compare_twins(&plan, &outcome, &twin);
+    }
 }

@@ -10,6 +10,11 @@
 //! invalid bodies) and checks each gets a 4xx: a 200 means the server ran what it should have
 //! refused. 5xx answers and transport errors are counted and shown, not judged.
 //!
+//! Two more audits of a prefix cache (see `--help`): `--shared-prefix-tokens` gives every
+//! tenant one long system prompt and counts the answers that reused a prefix their tenant
+//! never cached ([`shared`]); `--timing-audit` asks instead whether another tenant's cached
+//! prefix shows in a tenant's time to first token ([`timing`], TEST-MATRIX I07).
+//!
 //! The server is treated as hostile: bodies are read up to a cap, every request has a
 //! timeout, redirects are not followed, and nothing it sends is trusted to parse.
 
@@ -19,8 +24,10 @@ use crate::endpoint::list_models;
 use crate::plan::Setup;
 use crate::report::Report;
 use crate::report::Verdict;
+use crate::shared::SharedPrefix;
 use crate::spawn::Spawned;
 use crate::tenants::tenants;
+use crate::tenants::Tenant;
 use stats::SplitMix64;
 
 mod audit;
@@ -28,10 +35,12 @@ mod endpoint;
 mod plan;
 mod report;
 mod send;
+mod shared;
 mod spawn;
 mod tenants;
 #[cfg(test)]
 mod tests;
+mod timing;
 
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -48,9 +57,36 @@ Examples:
   # One key, tenants told apart only by the `user` field; repeat an earlier run:
   airlock canary --url http://localhost:8000/v1 --single-key sk-... --seed 1234
 
-Exit status: 0 when clean (no leak, no should-fail request answered 2xx, and some request
-that should succeed got a 2xx); 1 otherwise. 5xx answers and transport errors are counted and
-shown, not judged. The report goes to stdout (--json FILE for a copy), progress to stderr.";
+  # Every tenant's prompts open with one ~1500-token system prompt; count cross-tenant
+  # prefix-cache hits besides leaks:
+  airlock canary --spawn serve --shared-system-prompt --requests 2000
+
+  # Timing audit (TEST-MATRIX I07): does tenant A's cached prefix show in B's TTFT?
+  airlock canary --spawn serve --timing-audit --timing-samples 100
+
+Shared-system-prompt mode (--shared-prefix-tokens N, or --shared-system-prompt for 1500):
+every prompt opens with the same system prompt, so a prefix cache holds the same tokens for
+every tenant. An answer whose usage.prompt_tokens_details.cached_tokens is above 0 although
+its tenant cannot have cached that prefix is a cross-tenant hit, and fails the run like a
+leak. Checked are each tenant's first request (sent one at a time before the rest) and the
+requests with a fresh cache_salt (--fresh-salt-fraction, a quarter), a partition nobody used
+before; the report counts them, and the same-tenant hits that show the cache is on. Tenants
+need keys of their own: a server scopes its cache by key.
+
+Timing audit (--timing-audit, instead of the leak audit; one request at a time): tenant A
+sends a random prefix P of --timing-prefix-tokens (1000) so it is cached. Then, for each of
+--timing-samples rounds, four requests in a random order: B sends P + a short suffix and a
+fresh random prefix of the same length + suffix, each with a cache_salt never used before (so
+B's own cache helps neither sample); A sends P + suffix and a fresh prefix + suffix, with one
+salt of its own (the control). Each is streamed with max_tokens 1 and timed to its first
+token. The two-sample Kolmogorov-Smirnov test must find B's two samples indistinguishable
+(p > 0.01) and A's control different (p < 1e-6: the cache works and the audit has power); B's
+answers must all report cached_tokens 0. Prompts and salts are fresh for every run.
+
+Exit status: 0 when clean (no leak, no should-fail request answered 2xx, no cross-tenant
+cache hit, and some request that should succeed got a 2xx; for --timing-audit, both tests
+pass); 1 otherwise. 5xx answers and transport errors are counted and shown, not judged. The
+report goes to stdout (--json FILE for a copy), progress to stderr.";
 
 /// Every option a run takes; `--help` shows them with the examples above.
 #[derive(clap::Args, Debug)]
@@ -120,6 +156,40 @@ pub struct Args {
     /// for engines whose greedy decoding is deterministic (Airlock's is)
     #[arg(long, env = "AIRLOCK_CANARY_TWIN_FRACTION", default_value_t = 0.0)]
     pub(crate) twin_fraction: f64,
+    /// Shared-system-prompt mode: every tenant's prompts open with one system prompt of
+    /// about this many tokens, and answers reusing a prefix their tenant never cached are
+    /// cross-tenant hits (see below) [default when given bare: 1500]
+    #[arg(
+        long,
+        visible_alias = "shared-system-prompt",
+        env = "AIRLOCK_CANARY_SHARED_PREFIX_TOKENS",
+        num_args = 0..=1,
+        default_missing_value = "1500",
+        conflicts_with = "timing_audit"
+    )]
+    pub(crate) shared_prefix_tokens: Option<usize>,
+    /// With --shared-prefix-tokens: fraction of requests with a cache_salt never used before,
+    /// which must report cached_tokens 0 (0 for a server without cache_salt)
+    #[arg(
+        long,
+        env = "AIRLOCK_CANARY_FRESH_SALT_FRACTION",
+        default_value_t = 0.25
+    )]
+    pub(crate) fresh_salt_fraction: f64,
+    /// Run the timing audit (TEST-MATRIX I07, see below) instead of the leak audit: the first
+    /// two tenants, one request at a time
+    #[arg(long, env = "AIRLOCK_CANARY_TIMING_AUDIT")]
+    pub(crate) timing_audit: bool,
+    /// With --timing-audit: tokens of the prefix (random common words, one token each)
+    #[arg(
+        long,
+        env = "AIRLOCK_CANARY_TIMING_PREFIX_TOKENS",
+        default_value_t = 1000
+    )]
+    pub(crate) timing_prefix_tokens: usize,
+    /// With --timing-audit: samples of each kind (the matrix asks 250 for a full audit)
+    #[arg(long, env = "AIRLOCK_CANARY_TIMING_SAMPLES", default_value_t = 100)]
+    pub(crate) timing_samples: usize,
     /// Seed of the whole run (tenants' markers, prompt mix, endpoints); printed at the start
     /// and in the report, so the same run can be repeated [default: random]
     #[arg(long, env = "AIRLOCK_CANARY_SEED")]
@@ -177,6 +247,9 @@ pub fn run(args: Args) -> Result<()> {
         .build()?;
     let client = client(options.timeout)?;
     let tenants = tenants(&args)?;
+    if options.shared.is_some() || options.timing.is_some() {
+        own_keys(&tenants)?;
+    }
     let (_server, url) = match (&args.spawn, &args.url) {
         (Some(kind), _) => {
             let server = Spawned::start(kind, &args, &tenants, &runtime, &client)?;
@@ -186,6 +259,42 @@ pub fn run(args: Args) -> Result<()> {
         (None, Some(url)) => (None, base_url(url)?),
         (None, None) => bail!("say what to audit: --url URL, or --spawn serve"),
     };
+    let setup = connect(&args, &runtime, url, tenants, options, client)?;
+    if let Some(timing) = setup.options.timing {
+        return timing::run(&setup, timing, &runtime, args.json.as_deref());
+    }
+    eprintln!("canary: {}", setup.describe());
+    let started = Instant::now();
+    let audit = runtime.block_on(audit(&setup));
+    let report = Report {
+        setup: &setup,
+        audit: &audit,
+        wall: started.elapsed().as_secs_f64(),
+    };
+    report.print();
+    if let Some(path) = &args.json {
+        write_json(path, &report.json())?;
+    }
+    match report.verdict() {
+        Verdict::Clean => Ok(()),
+        verdict => bail!(
+            "canary: {} (seed {})",
+            verdict.describe(&audit),
+            setup.options.seed
+        ),
+    }
+}
+
+/// The endpoint's model and context length (the flags', else what it says of itself), and
+/// the run's shared system prompt when asked for.
+pub(crate) fn connect(
+    args: &Args,
+    runtime: &tokio::runtime::Runtime,
+    url: String,
+    tenants: Vec<Tenant>,
+    options: Options,
+    client: reqwest::Client,
+) -> Result<Setup> {
     let first_key = tenants[0].key.as_deref();
     let listed = runtime.block_on(list_models(&client, &url, first_key));
     let model = match (&args.model, &listed) {
@@ -203,10 +312,21 @@ pub fn run(args: Args) -> Result<()> {
         (None, None, Some(n)) => (n, "/v1/models max_model_len"),
         (None, None, None) => (FALLBACK_CONTEXT, "assumed; pass --context-length"),
     };
-    if context_length <= options.max_tokens + PROMPT_OVERHEAD_TOKENS + MARKER_TOKENS * 2 {
-        bail!("context length {context_length} leaves no room for a prompt and --max-tokens");
+    let shared = options
+        .shared
+        .map(|(tokens, fresh_salt)| SharedPrefix::new(tokens, random_seed(), fresh_salt));
+    let prompt_tokens = match (&shared, options.timing) {
+        (_, Some(timing)) => timing::prompt_tokens(timing),
+        (Some(shared), None) => shared.tokens + PROMPT_OVERHEAD_TOKENS + MARKER_TOKENS * 2,
+        (None, None) => PROMPT_OVERHEAD_TOKENS + MARKER_TOKENS * 2,
+    };
+    if context_length <= options.max_tokens + prompt_tokens {
+        bail!(
+            "context length {context_length} leaves no room for a prompt of about \
+             {prompt_tokens} tokens and --max-tokens"
+        );
     }
-    let setup = Setup {
+    Ok(Setup {
         url,
         model,
         tenants,
@@ -214,29 +334,29 @@ pub fn run(args: Args) -> Result<()> {
         context_source,
         options,
         client,
-    };
-    eprintln!("canary: {}", setup.describe());
-    let started = Instant::now();
-    let audit = runtime.block_on(audit(&setup));
-    let report = Report {
-        setup: &setup,
-        audit: &audit,
-        wall: started.elapsed().as_secs_f64(),
-    };
-    report.print();
-    if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&report.json())?;
-        std::fs::write(path, text + "\n")
-            .with_context(|| format!("writing the report to {}", path.display()))?;
+        shared,
+    })
+}
+
+/// Both prefix-cache audits judge reuse across tenants, which a server scopes by API key:
+/// tenants sharing a key (or none) are one tenant to its cache.
+pub(crate) fn own_keys(tenants: &[Tenant]) -> Result<()> {
+    let keys: std::collections::HashSet<Option<&str>> =
+        tenants.iter().map(|t| t.key.as_deref()).collect();
+    if keys.len() < tenants.len() || keys.contains(&None) {
+        bail!(
+            "--shared-prefix-tokens and --timing-audit need a key of its own for every tenant \
+             (--keys, --keys-file, or --spawn with generated keys): a server scopes its prefix \
+             cache by key, so tenants told apart only by `user` may share it"
+        );
     }
-    match report.verdict() {
-        Verdict::Clean => Ok(()),
-        verdict => bail!(
-            "canary: {} (seed {})",
-            verdict.describe(&audit),
-            setup.options.seed
-        ),
-    }
+    Ok(())
+}
+
+pub(crate) fn write_json(path: &std::path::Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)?;
+    std::fs::write(path, text + "\n")
+        .with_context(|| format!("writing the report to {}", path.display()))
 }
 
 /// The run's numbers, checked once.
@@ -253,6 +373,9 @@ pub(crate) struct Options {
     pub(crate) long: f64,
     pub(crate) twins: f64,
     pub(crate) timeout: Duration,
+    /// Shared-system-prompt mode: its tokens and the fraction of fresh-salt requests.
+    pub(crate) shared: Option<(usize, f64)>,
+    pub(crate) timing: Option<timing::TimingOptions>,
 }
 
 impl Options {
@@ -262,6 +385,7 @@ impl Options {
             ("--invalid-fraction", args.invalid_fraction),
             ("--long-fraction", args.long_fraction),
             ("--twin-fraction", args.twin_fraction),
+            ("--fresh-salt-fraction", args.fresh_salt_fraction),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 bail!("{name} must be between 0 and 1 (got {value})");
@@ -283,6 +407,12 @@ impl Options {
         if args.concurrency == 0 || args.max_tokens == 0 || args.requests == Some(0) {
             bail!("--concurrency, --max-tokens and --requests must be at least 1");
         }
+        if args.shared_prefix_tokens == Some(0) {
+            bail!("--shared-prefix-tokens must be at least 1");
+        }
+        if args.timing_audit && (args.timing_samples < 2 || args.timing_prefix_tokens < 32) {
+            bail!("--timing-audit needs --timing-samples >= 2 and --timing-prefix-tokens >= 32");
+        }
         Ok(Options {
             seed: args.seed.unwrap_or_else(random_seed),
             requests: args
@@ -297,6 +427,13 @@ impl Options {
             long: args.long_fraction,
             twins: args.twin_fraction,
             timeout: Duration::from_secs_f64(args.timeout),
+            shared: args
+                .shared_prefix_tokens
+                .map(|tokens| (tokens, args.fresh_salt_fraction)),
+            timing: args.timing_audit.then_some(timing::TimingOptions {
+                prefix_tokens: args.timing_prefix_tokens,
+                samples: args.timing_samples,
+            }),
         })
     }
 }

@@ -1,6 +1,7 @@
 //! What each request of a run is (class, endpoint, tenant, marker, body), from the seed and
 //! its index alone, and the registry of every marker issued.
 
+use crate::shared::SharedPrefix;
 use crate::tenants::Tenant;
 use crate::Options;
 use crate::BASE32;
@@ -25,6 +26,8 @@ pub(crate) struct Setup {
     pub(crate) context_source: &'static str,
     pub(crate) options: Options,
     pub(crate) client: reqwest::Client,
+    /// Shared-system-prompt mode's prompt, when on.
+    pub(crate) shared: Option<SharedPrefix>,
 }
 
 impl Setup {
@@ -46,9 +49,18 @@ impl Setup {
             (None, Some(d)) => format!("{:.0} s", d.as_secs_f64()),
             (None, None) => "unbounded".to_string(),
         };
+        let shared = self.shared.as_ref().map_or(String::new(), |shared| {
+            format!(
+                ", a shared system prompt of about {} tokens (session {}), a fresh cache_salt \
+                 on {:.0}% of requests",
+                shared.tokens,
+                shared.nonce,
+                shared.fresh_salt * 100.0
+            )
+        });
         format!(
             "seed {} (repeat with --seed {}), {} tenants ({how}), {} model {}, context {} ({}), \
-             {bound}, concurrency {}, max_tokens {}",
+             {bound}, concurrency {}, max_tokens {}{shared}",
             self.options.seed,
             self.options.seed,
             self.tenants.len(),
@@ -66,6 +78,9 @@ impl Setup {
     /// requests), with the seed choosing where the sequence starts.
     pub(crate) fn class_of(&self, index: usize) -> Class {
         const GOLDEN: f64 = 0.618_033_988_749_894_9;
+        if index < self.probes() {
+            return Class::Short;
+        }
         let offset = SplitMix64::new(self.options.seed).unit();
         let u = (offset + GOLDEN * (index as f64 + 1.0)).fract();
         let o = &self.options;
@@ -77,6 +92,16 @@ impl Setup {
             Class::Long
         } else {
             Class::Short
+        }
+    }
+
+    /// Requests sent one at a time before the rest: in shared-system-prompt mode, each
+    /// tenant's first, so each is answered before its tenant sends again and can judge reuse.
+    pub(crate) fn probes(&self) -> usize {
+        match (&self.shared, self.options.requests) {
+            (None, _) => 0,
+            (Some(_), Some(limit)) => self.tenants.len().min(limit),
+            (Some(_), None) => self.tenants.len(),
         }
     }
 }
@@ -147,6 +172,8 @@ pub(crate) struct Plan {
     pub(crate) body: Vec<u8>,
     /// Sent again once answered; both answers must agree.
     pub(crate) twin: bool,
+    /// A cache_salt never used before (shared-system-prompt mode).
+    pub(crate) salt: Option<String>,
 }
 
 impl Plan {
@@ -236,6 +263,12 @@ pub(crate) fn plan(setup: &Setup, index: usize, registry: &Registry) -> Plan {
         Endpoint::Chat
     };
     let stream = rng.below(2) == 0;
+    // From a stream of its own, so a seed's requests are the same in every mode.
+    let salted = setup.shared.as_ref().filter(|shared| {
+        index >= setup.probes()
+            && SplitMix64::for_stream(!setup.options.seed, index as u64).unit() < shared.fresh_salt
+    });
+    let salt = salted.map(|shared| shared.salt(index));
     let marker = format!(
         "CANARY-{tenant}-{}",
         registry.issue(&mut rng, tenant, index)
@@ -245,6 +278,7 @@ pub(crate) fn plan(setup: &Setup, index: usize, registry: &Registry) -> Plan {
         tenant,
         endpoint,
         stream,
+        salt: salt.as_deref(),
     };
     let max_tokens = setup.options.max_tokens as i64;
     let (low, high) = setup.options.words;
@@ -273,6 +307,7 @@ pub(crate) fn plan(setup: &Setup, index: usize, registry: &Registry) -> Plan {
         stream,
         body,
         twin,
+        salt,
     }
 }
 
@@ -286,11 +321,14 @@ pub(crate) struct Request<'a> {
     pub(crate) tenant: usize,
     pub(crate) endpoint: Endpoint,
     pub(crate) stream: bool,
+    pub(crate) salt: Option<&'a str>,
 }
 
 impl Request<'_> {
     /// A well-formed body: greedy, so a run repeats, and `user` naming the tenant, which is
-    /// all that tells tenants apart when they share a key.
+    /// all that tells tenants apart when they share a key. In shared-system-prompt mode the
+    /// prompt follows the shared one (a system message in chat), streams ask for the usage
+    /// (it carries cached_tokens), and a salted request carries its salt.
     pub(crate) fn body(&self, prompt: &str, max_tokens: i64) -> serde_json::Value {
         let mut body = serde_json::json!({
             "model": self.setup.model,
@@ -299,11 +337,31 @@ impl Request<'_> {
             "stream": self.stream,
             "user": self.setup.tenants[self.tenant].name,
         });
-        match self.endpoint {
-            Endpoint::Completions => body["prompt"] = prompt.into(),
-            Endpoint::Chat => {
+        let shared = self
+            .setup
+            .shared
+            .as_ref()
+            .map(|shared| shared.text.as_str());
+        match (self.endpoint, shared) {
+            (Endpoint::Completions, None) => body["prompt"] = prompt.into(),
+            (Endpoint::Completions, Some(shared)) => {
+                body["prompt"] = format!("{shared}\n{prompt}").into()
+            }
+            (Endpoint::Chat, None) => {
                 body["messages"] = serde_json::json!([{"role": "user", "content": prompt}]);
             }
+            (Endpoint::Chat, Some(shared)) => {
+                body["messages"] = serde_json::json!([
+                    {"role": "system", "content": shared},
+                    {"role": "user", "content": prompt},
+                ]);
+            }
+        }
+        if shared.is_some() && self.stream {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        if let Some(salt) = self.salt {
+            body["cache_salt"] = salt.into();
         }
         body
     }
@@ -367,11 +425,13 @@ pub(crate) fn invalid(
 }
 
 /// The filler words of a long prompt: as many as fit in LONG_FILL of the context (less
-/// max_tokens) by the token estimate, and at least a short prompt's.
+/// max_tokens and any shared system prompt) by the token estimate, and at least a short
+/// prompt's.
 pub(crate) fn long_words(setup: &Setup) -> usize {
+    let shared = setup.shared.as_ref().map_or(0, |shared| shared.tokens);
     let budget = setup
         .context_length
-        .saturating_sub(setup.options.max_tokens);
+        .saturating_sub(setup.options.max_tokens + shared);
     let target = (budget as f64 * LONG_FILL) as usize;
     let mut words = target;
     while words > setup.options.words.0 && estimated_tokens(words) > target {

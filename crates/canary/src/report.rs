@@ -7,6 +7,8 @@ use crate::audit::FAILURES_SHOWN;
 use crate::audit::LINES_SHOWN;
 use crate::plan::request_id;
 use crate::plan::Class;
+use crate::shared::CrossHit;
+use crate::shared::HITS_SHOWN;
 use crate::Setup;
 
 /// How the run ends.
@@ -17,6 +19,8 @@ pub(crate) enum Verdict {
     Failed,
     /// Requests that should succeed were sent and none got a 2xx: nothing was audited.
     Inconclusive,
+    /// Shared-system-prompt mode, and no answer could judge reuse (none said cached_tokens).
+    Unchecked,
 }
 
 impl Verdict {
@@ -25,13 +29,18 @@ impl Verdict {
             Verdict::Clean => "clean".to_string(),
             Verdict::Failed => format!(
                 "FAILED: {} leak(s), {} should-fail request(s) answered 2xx, {} greedy twin(s) \
-                 answered differently",
+                 answered differently, {} cross-tenant cache hit(s)",
                 audit.leaks.len(),
                 audit.wrong.len(),
-                audit.inconsistent.len()
+                audit.inconsistent.len(),
+                audit.prefix.cross_hits.len()
             ),
             Verdict::Inconclusive => "INCONCLUSIVE: no request that should succeed got a 2xx, \
                  so no answer was audited (check the URL, keys and --model)"
+                .to_string(),
+            Verdict::Unchecked => "INCONCLUSIVE: no answer could judge cross-tenant cache \
+                 reuse (a tenant's first request or a fresh cache_salt's, answered 2xx with \
+                 usage.prompt_tokens_details.cached_tokens)"
                 .to_string(),
         }
     }
@@ -46,13 +55,20 @@ pub(crate) struct Report<'a> {
 impl Report<'_> {
     pub(crate) fn verdict(&self) -> Verdict {
         let audit = self.audit;
-        if !audit.leaks.is_empty() || !audit.wrong.is_empty() || !audit.inconsistent.is_empty() {
+        if !audit.leaks.is_empty()
+            || !audit.wrong.is_empty()
+            || !audit.inconsistent.is_empty()
+            || !audit.prefix.cross_hits.is_empty()
+        {
             return Verdict::Failed;
         }
         let sent: usize = audit.should_succeed().map(|t| t.sent).sum();
         let answered: usize = audit.should_succeed().map(|t| t.count(200..300)).sum();
         if sent > 0 && answered == 0 {
             return Verdict::Inconclusive;
+        }
+        if self.setup.shared.is_some() && audit.prefix.checked() == 0 {
+            return Verdict::Unchecked;
         }
         Verdict::Clean
     }
@@ -183,6 +199,66 @@ impl Report<'_> {
             println!("  echo: {}", self.finding(echo));
         }
         more(audit.echoes.len(), FAILURES_SHOWN);
+        self.print_reuse();
+    }
+
+    /// Shared-system-prompt mode's counts, and every cross-tenant hit (up to HITS_SHOWN).
+    pub(crate) fn print_reuse(&self) {
+        let Some(shared) = &self.setup.shared else {
+            return;
+        };
+        let prefix = &self.audit.prefix;
+        println!(
+            "\nshared system prompt: about {} tokens, session {}",
+            shared.tokens, shared.nonce
+        );
+        println!(
+            "checked for cross-tenant reuse: {} (tenants' first requests {}, fresh cache_salt \
+             {}); cross-tenant cache hits: {}",
+            prefix.checked(),
+            prefix.checked_first,
+            prefix.checked_salted,
+            prefix.cross_hits.len()
+        );
+        for hit in prefix.cross_hits.iter().take(HITS_SHOWN) {
+            println!("  CROSS-TENANT HIT: {}", self.hit(hit));
+        }
+        more(prefix.cross_hits.len(), HITS_SHOWN);
+        println!(
+            "same-tenant reuse allowed: {} answers, {} of them hits ({} cached tokens in all)",
+            prefix.reusable, prefix.own_hits, prefix.own_cached_tokens
+        );
+        if prefix.unreported > 0 {
+            println!(
+                "2xx answers without usage.prompt_tokens_details.cached_tokens: {}",
+                prefix.unreported
+            );
+        }
+        if prefix.reusable > 0 && prefix.own_hits == 0 {
+            println!(
+                "note: no same-tenant hit either: the prefix cache looks off, so 0 cross-tenant \
+                 hits shows little"
+            );
+        }
+    }
+
+    pub(crate) fn hit(&self, hit: &CrossHit) -> String {
+        let server = hit
+            .server_id
+            .as_deref()
+            .map_or(String::new(), |id| format!("; server id {id}"));
+        let why = if hit.salted {
+            "its cache_salt was fresh"
+        } else {
+            "it was its tenant's first request"
+        };
+        format!(
+            "{} (tenant {}; {}{server}) reported {} cached tokens, but {why}",
+            request_id(hit.request),
+            self.tenant(hit.tenant),
+            hit.what,
+            hit.cached_tokens
+        )
     }
 
     pub(crate) fn finding(&self, f: &Finding) -> String {
@@ -258,8 +334,9 @@ impl Report<'_> {
             "verdict": match verdict {
                 Verdict::Clean => "clean",
                 Verdict::Failed => "failed",
-                Verdict::Inconclusive => "inconclusive",
+                Verdict::Inconclusive | Verdict::Unchecked => "inconclusive",
             },
+            "shared_prefix": self.reuse_json(),
             "clean": verdict == Verdict::Clean,
             "seed": setup.options.seed,
             "url": setup.url,
@@ -300,6 +377,41 @@ impl Report<'_> {
                 "p50": (!latencies.is_empty()).then(|| stats::percentile(latencies, 50.0) * 1e3),
                 "p99": (!latencies.is_empty()).then(|| stats::percentile(latencies, 99.0) * 1e3),
             },
+        })
+    }
+
+    /// Shared-system-prompt mode's counts and hits; null when the mode is off.
+    pub(crate) fn reuse_json(&self) -> serde_json::Value {
+        let Some(shared) = &self.setup.shared else {
+            return serde_json::Value::Null;
+        };
+        let prefix = &self.audit.prefix;
+        let hits: Vec<serde_json::Value> = prefix
+            .cross_hits
+            .iter()
+            .map(|hit| {
+                serde_json::json!({
+                    "request": request_id(hit.request),
+                    "tenant": self.tenant(hit.tenant),
+                    "what": hit.what,
+                    "cached_tokens": hit.cached_tokens,
+                    "fresh_salt": hit.salted,
+                    "server_id": hit.server_id,
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "tokens": shared.tokens,
+            "session": shared.nonce,
+            "fresh_salt_fraction": shared.fresh_salt,
+            "checked": prefix.checked(),
+            "checked_first": prefix.checked_first,
+            "checked_fresh_salt": prefix.checked_salted,
+            "cross_tenant_hits": hits,
+            "reusable": prefix.reusable,
+            "same_tenant_hits": prefix.own_hits,
+            "same_tenant_cached_tokens": prefix.own_cached_tokens,
+            "no_cached_tokens": prefix.unreported,
         })
     }
 }

@@ -1,6 +1,7 @@
 //! Sending one request and reading its answer, with every byte from the server treated as
 //! hostile: capped, timed out, parsed leniently.
 
+use crate::plan::Endpoint;
 use crate::plan::Plan;
 use crate::plan::Setup;
 use crate::BODY_CAP;
@@ -22,6 +23,8 @@ pub(crate) struct Outcome {
     pub(crate) stream_error: bool,
     pub(crate) server_id: Option<String>,
     pub(crate) prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens the server reused.
+    pub(crate) cached_tokens: Option<u64>,
     pub(crate) seconds: f64,
 }
 
@@ -46,6 +49,7 @@ pub(crate) async fn send(setup: &Setup, plan: &Plan) -> Outcome {
                 stream_error: false,
                 server_id: None,
                 prompt_tokens: None,
+                cached_tokens: None,
                 seconds: started.elapsed().as_secs_f64(),
             }
         }
@@ -61,9 +65,86 @@ pub(crate) async fn send(setup: &Setup, plan: &Plan) -> Outcome {
         stream_error: parsed.error_event,
         server_id: parsed.id,
         prompt_tokens: parsed.prompt_tokens,
+        cached_tokens: parsed.cached_tokens,
         body,
         seconds: started.elapsed().as_secs_f64(),
     }
+}
+
+/// A streamed request timed to its first token (the timing audit).
+pub(crate) struct Timed {
+    pub(crate) status: std::result::Result<u16, String>,
+    /// Seconds from sending to the first event that carries text or a finish reason.
+    pub(crate) first_token: Option<f64>,
+    pub(crate) cached_tokens: Option<u64>,
+    pub(crate) body: String,
+}
+
+/// Sends `body` (a streamed request) as `tenant` and times its first token, then reads the
+/// rest (up to BODY_CAP) for its usage.
+pub(crate) async fn send_timed(setup: &Setup, tenant: usize, body: Vec<u8>) -> Timed {
+    let mut request = setup
+        .client
+        .post(format!("{}{}", setup.url, Endpoint::Completions.path()))
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body);
+    if let Some(key) = &setup.tenants[tenant].key {
+        request = request.bearer_auth(key);
+    }
+    let started = Instant::now();
+    let response = match request.send().await {
+        Ok(response) => response,
+        Err(error) => {
+            return Timed {
+                status: Err(transport_error(&error)),
+                first_token: None,
+                cached_tokens: None,
+                body: String::new(),
+            }
+        }
+    };
+    let status = response.status().as_u16();
+    let mut stream = response.bytes_stream();
+    let (mut bytes, mut scanned, mut first_token) = (Vec::new(), 0, None);
+    while let Some(Ok(chunk)) = stream.next().await {
+        bytes.extend_from_slice(&chunk[..chunk.len().min(BODY_CAP - bytes.len())]);
+        // Whole lines only: an event split over chunks is judged once it is complete.
+        while let Some(end) = bytes[scanned..].iter().position(|&b| b == b'\n') {
+            let line = String::from_utf8_lossy(&bytes[scanned..scanned + end]).into_owned();
+            scanned += end + 1;
+            if first_token.is_none() && carries_token(&line) {
+                first_token = Some(started.elapsed().as_secs_f64());
+            }
+        }
+        if bytes.len() >= BODY_CAP {
+            break;
+        }
+    }
+    let body = String::from_utf8_lossy(&bytes).into_owned();
+    Timed {
+        status: Ok(status),
+        first_token,
+        cached_tokens: parse_body(&body).cached_tokens,
+        body,
+    }
+}
+
+/// An SSE `data:` line whose chunk carries generated text or a finish reason: the first
+/// such is the first token. The opening chunk (empty text, or only the role) is not.
+pub(crate) fn carries_token(line: &str) -> bool {
+    let Some(data) = line.trim_end_matches('\r').strip_prefix("data:") else {
+        return false;
+    };
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(data.trim_start()) else {
+        return false;
+    };
+    let mut choices = value["choices"].as_array().into_iter().flatten();
+    choices.any(|choice| {
+        let text = [&choice["text"], &choice["delta"]["content"]]
+            .iter()
+            .any(|text| text.as_str().is_some_and(|t| !t.is_empty()));
+        text || !choice["finish_reason"].is_null()
+    })
 }
 
 /// A transport error in one line, with its kind first (timeouts are common and expected).
@@ -113,6 +194,7 @@ pub(crate) struct Parsed {
     pub(crate) text: String,
     pub(crate) id: Option<String>,
     pub(crate) prompt_tokens: Option<u64>,
+    pub(crate) cached_tokens: Option<u64>,
     pub(crate) error_event: bool,
 }
 
@@ -146,6 +228,9 @@ pub(crate) fn collect(value: &serde_json::Value, parsed: &mut Parsed) {
     }
     if let Some(tokens) = value["usage"]["prompt_tokens"].as_u64() {
         parsed.prompt_tokens = Some(tokens);
+    }
+    if let Some(tokens) = value["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        parsed.cached_tokens = Some(tokens);
     }
     if let Some(choices) = value["choices"].as_array() {
         for choice in choices {

@@ -41,7 +41,7 @@ impl Drop for Spawned {
 impl Spawned {
     /// `airlock KIND` on a port the OS picks, with the tenants' keys, a context length (the
     /// flag's, else FALLBACK_CONTEXT: small prompts keep a run quick) and a pool that holds
-    /// several full-context requests at once; ready once it says where it serves and its
+    /// several full-context requests at once (and the shared system prompts); ready once it says where it serves and its
     /// /health answers 200.
     pub(crate) fn start(
         kind: &str,
@@ -67,7 +67,11 @@ impl Spawned {
         };
         let model_path = model.resolve_model()?;
         let context = args.context_length.unwrap_or(FALLBACK_CONTEXT);
-        let kv_tokens = (context * 4).min(16_384).max(context);
+        // Shared-system-prompt mode: each request in flight holds about the shared prompt,
+        // and each tenant's copy stays cached; without room for those, requests queue for
+        // pages and the run crawls.
+        let shared = args.shared_prefix_tokens.unwrap_or(0) * (tenants.len() + args.concurrency);
+        let kv_tokens = ((context * 4).min(16_384) + shared).max(context);
         let log = dir.join("server.log");
         let mut child = Command::new(std::env::current_exe()?)
             .args([kind, "--port", "0", "--host", "127.0.0.1"])

@@ -1,6 +1,8 @@
 //! `airlock canary`, the leak auditor: clean against `airlock serve` on the real model, and
-//! shown able to fail, against two fake engines served here: one that leaks another tenant's
-//! earlier prompt into its answers, and one that answers 200 to everything.
+//! shown able to fail, against fake engines served here: one that leaks another tenant's
+//! earlier prompt into its answers, one that answers 200 to everything, and one whose prefix
+//! cache is shared by every tenant. The shared-system-prompt mode runs against serve with
+//! the checks shown to have run; the timing audit runs with a tiny sample, for its report.
 
 use crate::cli::{airlock, model_path};
 use crate::harness::runtime;
@@ -130,6 +132,9 @@ enum Fault {
     LeaksOtherTenants,
     /// Answers 200 to everything, even what it should refuse.
     AlwaysOk,
+    /// Answers well, but its prefix cache is keyed by the prompt alone: any request whose
+    /// prompt opens as an earlier one's (any key, any salt) reports cached tokens.
+    SharedCache,
 }
 
 const FAKE_MODEL: &str = "fake-model";
@@ -198,7 +203,7 @@ fn error(status: StatusCode, message: &str) -> Response {
 
 fn answer(fake: &Fake, headers: &HeaderMap, body: &[u8], chat: bool) -> Response {
     if fake.fault == Fault::AlwaysOk {
-        return reply("all good", chat, false);
+        return reply("all good", chat, false, None);
     }
     let Ok(request) = serde_json::from_slice::<Value>(body) else {
         return error(StatusCode::BAD_REQUEST, "invalid JSON");
@@ -214,6 +219,7 @@ fn answer(fake: &Fake, headers: &HeaderMap, body: &[u8], chat: bool) -> Response
     } else {
         request["prompt"].as_str()
     };
+    let stream = request["stream"] == true;
     let Some(prompt) = prompt else {
         return error(StatusCode::BAD_REQUEST, "no prompt");
     };
@@ -226,6 +232,14 @@ fn answer(fake: &Fake, headers: &HeaderMap, body: &[u8], chat: bool) -> Response
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
+    if fake.fault == Fault::SharedCache {
+        // The first 64 bytes stand for the first cached page.
+        let page = |text: &str| text.get(..64).map(str::to_string);
+        let mut prompts = fake.prompts.lock().expect("prompts");
+        let hit = page(prompt).is_some() && prompts.iter().any(|(_, p)| page(p) == page(prompt));
+        prompts.push((key, prompt.to_string()));
+        return reply("fine", chat, stream, Some(if hit { 16 } else { 0 }));
+    }
     let leaked = {
         let mut prompts = fake.prompts.lock().expect("prompts");
         let other = prompts
@@ -236,11 +250,16 @@ fn answer(fake: &Fake, headers: &HeaderMap, body: &[u8], chat: bool) -> Response
         prompts.push((key, prompt.to_string()));
         other.unwrap_or_else(|| "nothing to leak yet".to_string())
     };
-    reply(&leaked, chat, request["stream"] == true)
+    reply(&leaked, chat, stream, None)
 }
 
 /// An OpenAI-shaped answer carrying `text`; streamed as SSE, split in two chunks mid-text.
-fn reply(text: &str, chat: bool, stream: bool) -> Response {
+/// With `cached`, a usage saying that many cached tokens (streams: in a last usage event).
+fn reply(text: &str, chat: bool, stream: bool, cached: Option<u64>) -> Response {
+    let usage = cached.map(|cached| {
+        json!({"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
+               "prompt_tokens_details": {"cached_tokens": cached}})
+    });
     let piece = |text: &str| {
         if chat {
             json!({"id": "fake-1", "choices": [{"index": 0, "delta": {"content": text}}]})
@@ -249,11 +268,14 @@ fn reply(text: &str, chat: bool, stream: bool) -> Response {
         }
     };
     if !stream {
-        let body = if chat {
+        let mut body = if chat {
             json!({"id": "fake-1", "choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
         } else {
             piece(text)
         };
+        if let Some(usage) = &usage {
+            body["usage"] = usage.clone();
+        }
         return Json(body).into_response();
     }
     let middle = (0..=text.len() / 2)
@@ -261,8 +283,14 @@ fn reply(text: &str, chat: bool, stream: bool) -> Response {
         .find(|&i| text.is_char_boundary(i))
         .unwrap_or(0);
     let (first, second) = text.split_at(middle);
+    let usage = usage.map_or(String::new(), |usage| {
+        format!(
+            "data: {}\n\n",
+            json!({"id": "fake-1", "choices": [], "usage": usage})
+        )
+    });
     let events = format!(
-        "data: {}\n\ndata: {}\n\ndata: [DONE]\n\n",
+        "data: {}\n\ndata: {}\n\n{usage}data: [DONE]\n\n",
         piece(first),
         piece(second)
     );
@@ -350,9 +378,168 @@ fn canary_help_explains_the_options_with_an_example() {
         "--seed",
         "airlock canary --spawn serve",
         "Exit status",
+        "--shared-prefix-tokens",
+        "--fresh-salt-fraction",
+        "--timing-audit",
+        "--timing-samples",
+        "Kolmogorov-Smirnov",
     ] {
         assert!(help.contains(needle), "{needle} missing from:\n{help}");
     }
+}
+
+/// Shared-system-prompt mode against serve on the real model: 4 tenants open every prompt
+/// with one system prompt; no answer reuses another tenant's prefix, and the run shows its
+/// checks ran (tenants' first requests and fresh salts judged) and that the cache was on
+/// (same-tenant hits), so a server with its cache off cannot pass this test.
+#[test]
+fn canary_shared_system_prompt_finds_no_cross_tenant_hit_and_sees_own_reuse() {
+    let model = model_path();
+    let mut args = vec![
+        "--spawn",
+        "serve",
+        "--tenants",
+        "4",
+        "--context-length",
+        "512",
+        "--threads",
+        "1",
+        "--model-file",
+        &model,
+        "--shared-prefix-tokens",
+        "160",
+    ];
+    args.extend_from_slice(MIX);
+    let (output, report) = canary("shared", &args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", shown(&output));
+    assert_eq!(report["verdict"], "clean", "{report:#}");
+    assert_eq!(report["leaks"], json!([]), "{report:#}");
+    let shared = &report["shared_prefix"];
+    assert_eq!(shared["cross_tenant_hits"], json!([]), "{report:#}");
+    assert_eq!(
+        shared["checked_first"], 4,
+        "every tenant's first: {report:#}"
+    );
+    assert!(
+        shared["checked_fresh_salt"].as_u64() > Some(0),
+        "{report:#}"
+    );
+    assert!(
+        shared["same_tenant_hits"].as_u64() > Some(0),
+        "cache off? {report:#}"
+    );
+    assert_eq!(shared["no_cached_tokens"], 0, "{report:#}");
+    assert!(stdout.contains("cross-tenant cache hits: 0"), "{stdout}");
+}
+
+#[test]
+fn canary_fails_a_server_whose_prefix_cache_is_shared_by_every_tenant() {
+    let fake = start_fake(Fault::SharedCache);
+    let mut args = vec![
+        "--url",
+        &fake.url,
+        "--keys",
+        FAKE_KEYS,
+        "--shared-prefix-tokens",
+        "120",
+    ];
+    args.extend_from_slice(MIX);
+    let (output, report) = canary("shared-cache", &args);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+    assert_eq!(report["verdict"], "failed", "{report:#}");
+    assert_eq!(report["leaks"], json!([]), "{report:#}");
+    let hits = report["shared_prefix"]["cross_tenant_hits"]
+        .as_array()
+        .expect("hits");
+    // The first tenant's first request found nothing cached; every later check did.
+    assert!(!hits.is_empty(), "{report:#}");
+    for hit in hits {
+        let request = hit["request"].as_str().expect("request id");
+        assert!(
+            stdout
+                .lines()
+                .any(|line| line.contains("CROSS-TENANT HIT") && line.contains(request)),
+            "no CROSS-TENANT HIT line for {request}:\n{stdout}"
+        );
+    }
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("cross-tenant cache hit(s)"),
+        "{}",
+        shown(&output)
+    );
+}
+
+#[test]
+fn prefix_cache_audits_refuse_tenants_that_share_a_key() {
+    for mode in ["--shared-system-prompt", "--timing-audit"] {
+        let output = airlock()
+            .args([
+                "canary",
+                "--url",
+                "http://127.0.0.1:9",
+                "--single-key",
+                "sk-x",
+                mode,
+            ])
+            .output()
+            .expect("runs");
+        assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("a key of its own"), "{stderr}");
+    }
+}
+
+/// The timing audit runs end to end and reports; with 3 samples of each kind its p-values
+/// mean nothing (it is run by hand with 100 or more), so only its shape and B's cached_tokens
+/// (deterministic: B's salts are fresh) are checked.
+#[test]
+fn canary_timing_audit_runs_against_serve_and_reports_both_tests() {
+    let model = model_path();
+    let args = [
+        "--spawn",
+        "serve",
+        "--context-length",
+        "512",
+        "--threads",
+        "1",
+        "--model-file",
+        &model,
+        "--timing-audit",
+        "--timing-samples",
+        "3",
+        "--timing-prefix-tokens",
+        "64",
+        "--seed",
+        "5",
+    ];
+    let (output, report) = canary("timing", &args);
+    assert!(
+        matches!(output.status.code(), Some(0 | 1)),
+        "{}",
+        shown(&output)
+    );
+    assert_eq!(report["mode"], "timing_audit", "{report:#}");
+    for kind in ["cross_shared", "cross_fresh", "own_shared", "own_fresh"] {
+        let sample = &report["samples"][kind];
+        assert_eq!(sample["answers"], 3, "{kind}: {report:#}");
+        assert!(sample["median_ttft_ms"].as_f64() > Some(0.0), "{report:#}");
+    }
+    for test in ["cross_tenant", "control"] {
+        assert!(report[test]["d"].is_f64(), "{report:#}");
+        assert!(report[test]["p"].is_f64(), "{report:#}");
+    }
+    assert_eq!(report["cross_tenant_hits"], 0, "{report:#}");
+    let cached = report["samples"]["own_shared"]["cached_tokens"]
+        .as_array()
+        .expect("cached tokens");
+    assert!(
+        cached.iter().all(|n| n.as_u64() >= Some(48)),
+        "A's repeats of its prefix hit: {report:#}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("control (A)"), "{stdout}");
 }
 
 /// Defense in depth, end to end: the incident planted in a real cluster (the oracle model over
@@ -415,6 +602,69 @@ fn canary_is_clean_with_the_incident_planted_and_red_without_the_guards() {
         } else {
             assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
             assert!(leaks > 0, "the planted leak went unseen: {report:#}");
+        }
+    }
+}
+
+/// The shared-system-prompt mode shown able to fail on the real server: a cluster whose
+/// prefix index forgets the tenant (planted fault) is still clean while the pool's tenant
+/// check refuses the pages; with that check off too, tenants start from each other's cached
+/// system prompt, and the auditor names the cross-tenant hits.
+#[test]
+fn canary_shared_system_prompt_is_red_when_the_cache_forgets_the_tenant() {
+    use crate::harness::{self, Backend, Mode, Options};
+    use transfer::Role;
+    use worker::{Fault, FaultPlan, When};
+    const KEYS: &str = "[tenants.t0]\nkeys = [\"sk-t0-0123456789\"]\n\
+                        [tenants.t1]\nkeys = [\"sk-t1-0123456789\"]\n\
+                        [tenants.t2]\nkeys = [\"sk-t2-0123456789\"]\n";
+    let plan = |faults: &[Fault]| {
+        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
+            plan.with(fault, When::Always)
+        })
+    };
+    for (faults, clean) in [
+        (plan(&[Fault::CacheIgnoresTenant]), true),
+        (
+            plan(&[Fault::CacheIgnoresTenant, Fault::NoOwnerCheck]),
+            false,
+        ),
+    ] {
+        let mut options = Options::new(Mode::Unified);
+        options.backend = Backend::Oracle;
+        options.keys = Some(KEYS);
+        options.context_length = Some(1024);
+        options.kv_tokens = 8192;
+        options.faults = vec![(Role::Unified, faults)];
+        let server = harness::start(options);
+        let args = [
+            "--url",
+            &server.url,
+            "--keys",
+            "sk-t0-0123456789,sk-t1-0123456789,sk-t2-0123456789",
+            "--shared-prefix-tokens",
+            "160",
+            "--requests",
+            "24",
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "4",
+            "--seed",
+            "13",
+        ];
+        let name = if clean { "forgets-guarded" } else { "forgets" };
+        let (output, report) = canary(name, &args);
+        let shared = &report["shared_prefix"];
+        let hits = shared["cross_tenant_hits"].as_array().expect("hits").len();
+        assert!(shared["checked"].as_u64() > Some(0), "{report:#}");
+        if clean {
+            assert_eq!(output.status.code(), Some(0), "{}", shown(&output));
+            assert_eq!(hits, 0, "{report:#}");
+            assert!(shared["same_tenant_hits"].as_u64() > Some(0), "{report:#}");
+        } else {
+            assert_eq!(output.status.code(), Some(1), "{}", shown(&output));
+            assert!(hits > 0, "the shared cache went unseen: {report:#}");
         }
     }
 }
