@@ -74,8 +74,8 @@ before; the report counts them, and the same-tenant hits that show the cache is 
 need keys of their own: a server scopes its cache by key.
 
 Timing audit (--timing-audit, instead of the leak audit; one request at a time): tenant A
-sends a random prefix P of --timing-prefix-tokens (1000) so it is cached. Then, for each of
---timing-samples rounds, four requests in a random order: B sends P + a short suffix and a
+sends a random prefix P of --timing-prefix-tokens (1000) so it is cached. Then, in each of the
+rounds (--timing-samples), four requests in a random order: B sends P + a short suffix and a
 fresh random prefix of the same length + suffix, each with a cache_salt never used before (so
 B's own cache helps neither sample); A sends P + suffix and a fresh prefix + suffix, with one
 salt of its own (the control). Each is streamed with max_tokens 1 and timed to its first

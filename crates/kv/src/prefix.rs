@@ -244,8 +244,9 @@ impl PrefixCache {
     }
 
     /// Frees up to `wanted` cached pages that no table references, least recently used
-    /// first, leaves before their parents, never one of `keep` (a prefix about to be
-    /// referenced). Returns how many it freed.
+    /// first and one at a time, so a parent freed of its last child competes with every other
+    /// leaf by its own last use; never one of `keep` (a prefix about to be referenced).
+    /// Returns how many it freed.
     pub fn evict(
         &mut self,
         pool: &mut PagePool,
@@ -254,7 +255,9 @@ impl PrefixCache {
     ) -> usize {
         let mut freed = 0;
         while freed < wanted {
-            let mut leaves: Vec<(u64, NodeKey)> = self
+            // A node's last use is its chain's (a lookup touches the whole path), so the
+            // oldest evictable leaf is the tail of the least recently used chain.
+            let oldest = self
                 .nodes
                 .iter()
                 .filter(|(_, node)| {
@@ -262,24 +265,21 @@ impl PrefixCache {
                         && pool.shared_refs(node.page) == 0
                         && !keep.contains(&(node.page, node.generation))
                 })
-                .map(|(key, node)| (node.last_used, key.clone()))
-                .collect();
-            if leaves.is_empty() {
+                .min_by_key(|(_, node)| node.last_used)
+                .map(|(key, _)| key.clone());
+            let Some(key) = oldest else {
                 break;
+            };
+            let node = self.nodes.remove(&key).expect("the leaf just found");
+            if let Some(parent) = node.parent.as_ref().and_then(|k| self.nodes.get_mut(k)) {
+                parent.children -= 1;
             }
-            leaves.sort_unstable_by_key(|(last_used, _)| *last_used);
-            for (_, key) in leaves.into_iter().take(wanted - freed) {
-                let node = self.nodes.remove(&key).expect("a listed leaf");
-                if let Some(parent) = node.parent.as_ref().and_then(|k| self.nodes.get_mut(k)) {
-                    parent.children -= 1;
+            match pool.evict(node.page, node.generation) {
+                Ok(()) => {
+                    freed += 1;
+                    self.stats.evictions += 1;
                 }
-                match pool.evict(node.page, node.generation) {
-                    Ok(()) => {
-                        freed += 1;
-                        self.stats.evictions += 1;
-                    }
-                    Err(error) => debug_assert!(false, "evicting an unreferenced leaf: {error}"),
-                }
+                Err(error) => debug_assert!(false, "evicting an unreferenced leaf: {error}"),
             }
         }
         self.stats.cached_pages = self.nodes.len() as u64;

@@ -416,3 +416,22 @@ fn random_life_cycles_keep_counts_tenants_and_the_pool_whole() {
         "hits {hits}, evictions {evictions}"
     );
 }
+
+#[test]
+fn eviction_empties_the_oldest_chain_before_touching_a_newer_one() {
+    // Two chains of three pages; the newer must keep every page while the older one still
+    // has any (one leaf per chain at a time would strip the newer chain's tail first).
+    let mut pool = pool(8, false);
+    let mut cache = PrefixCache::new(PAGE);
+    let old_prompt = tokens(3 * PAGE, 1);
+    let new_prompt = tokens(3 * PAGE, 500);
+    let old = publish(&mut pool, &mut cache, owner(1, 1), &old_prompt, f16::ONE);
+    let new = publish(&mut pool, &mut cache, owner(1, 2), &new_prompt, f16::ONE);
+    pool.release(old).expect("own");
+    pool.release(new).expect("own");
+    assert_eq!(cache.evict(&mut pool, 3, &[]), 3);
+    let new_hit = cache.lookup(TenantId(1), Partition(0), &new_prompt, &pool);
+    assert_eq!(new_hit.page_count(), 3, "the newer chain is whole");
+    let old_hit = cache.lookup(TenantId(1), Partition(0), &old_prompt, &pool);
+    assert_eq!(old_hit.page_count(), 0, "the older chain went first");
+}
