@@ -51,8 +51,11 @@ fn schemathesis_finds_no_server_error_and_no_answer_off_the_schema() {
             &max_examples(),
             "--seed",
             "25",
+            // One worker: with two, Hypothesis' global lambda-source cache (not thread-safe)
+            // now and then raised a KeyError inside schemathesis, failing the run with no
+            // finding about the server.
             "--workers",
-            "2",
+            "1",
             "--request-timeout",
             "60",
         ])
