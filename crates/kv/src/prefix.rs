@@ -239,7 +239,6 @@ impl PrefixCache {
             }
             parent_key = Some(key);
         }
-        self.stats.cached_pages = self.nodes.len() as u64;
         table.shared_pages()
     }
 
@@ -282,7 +281,6 @@ impl PrefixCache {
                 Err(error) => debug_assert!(false, "evicting an unreferenced leaf: {error}"),
             }
         }
-        self.stats.cached_pages = self.nodes.len() as u64;
         freed
     }
 
@@ -292,7 +290,10 @@ impl PrefixCache {
     }
 
     pub fn stats(&self) -> PrefixStats {
-        self.stats
+        PrefixStats {
+            cached_pages: self.nodes.len() as u64,
+            ..self.stats
+        }
     }
 
     pub fn page_size_tokens(&self) -> usize {

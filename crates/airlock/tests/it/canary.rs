@@ -549,16 +549,12 @@ fn canary_timing_audit_runs_against_serve_and_reports_both_tests() {
 fn canary_is_clean_with_the_incident_planted_and_red_without_the_guards() {
     use crate::harness::{self, Backend, Mode, Options};
     use transfer::Role;
-    use worker::{Fault, FaultPlan, When};
+    use worker::Fault;
     const KEYS: &str = "[tenants.t0]\nkeys = [\"sk-t0-0123456789\"]\n\
                         [tenants.t1]\nkeys = [\"sk-t1-0123456789\"]\n\
                         [tenants.t2]\nkeys = [\"sk-t2-0123456789\"]\n\
                         [tenants.t3]\nkeys = [\"sk-t3-0123456789\"]\n";
-    let plan = |faults: &[Fault]| {
-        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
-            plan.with(fault, When::Always)
-        })
-    };
+    let plan = crate::harness::always;
     let guarded = (plan(&[Fault::Incident]), plan(&[]));
     let unguarded = (
         plan(&[Fault::Incident, Fault::NoAdmission]),
@@ -614,15 +610,11 @@ fn canary_is_clean_with_the_incident_planted_and_red_without_the_guards() {
 fn canary_shared_system_prompt_is_red_when_the_cache_forgets_the_tenant() {
     use crate::harness::{self, Backend, Mode, Options};
     use transfer::Role;
-    use worker::{Fault, FaultPlan, When};
+    use worker::Fault;
     const KEYS: &str = "[tenants.t0]\nkeys = [\"sk-t0-0123456789\"]\n\
                         [tenants.t1]\nkeys = [\"sk-t1-0123456789\"]\n\
                         [tenants.t2]\nkeys = [\"sk-t2-0123456789\"]\n";
-    let plan = |faults: &[Fault]| {
-        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
-            plan.with(fault, When::Always)
-        })
-    };
+    let plan = crate::harness::always;
     for (faults, clean) in [
         (plan(&[Fault::CacheIgnoresTenant]), true),
         (

@@ -420,3 +420,12 @@ pub async fn wait_idle(url: &str) -> (bool, String) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A fault plan with every one of `faults` on for every occurrence.
+pub fn always(faults: &[worker::Fault]) -> worker::FaultPlan {
+    faults
+        .iter()
+        .fold(worker::FaultPlan::none(), |plan, &fault| {
+            plan.with(fault, worker::When::Always)
+        })
+}

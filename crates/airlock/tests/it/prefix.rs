@@ -189,12 +189,8 @@ fn the_operator_can_turn_prefix_reuse_off() {
 fn a_prefix_index_that_forgets_the_tenant_is_stopped_by_the_pools_check() {
     use crate::harness::Backend;
     use transfer::Role;
-    use worker::{Fault, FaultPlan, When};
-    let plan = |faults: &[Fault]| {
-        faults.iter().fold(FaultPlan::none(), |plan, &fault| {
-            plan.with(fault, When::Always)
-        })
-    };
+    use worker::Fault;
+    let plan = crate::harness::always;
     for (faults, guarded) in [
         (plan(&[Fault::CacheIgnoresTenant]), true),
         (
