@@ -427,7 +427,8 @@ fn build_job(
             "temperature",
         ));
     }
-    let top_p = common.top_p.unwrap_or(1.0);
+    // Checked as the f32 the sampler gets: a positive f64 below f32's range would become 0.
+    let top_p = common.top_p.unwrap_or(1.0) as f32;
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
     }
@@ -476,7 +477,7 @@ fn build_job(
         max_tokens: max_tokens as u32,
         sampling: Sampling {
             temperature: temperature as f32,
-            top_p: top_p as f32,
+            top_p,
             top_k: top_k as u32,
             // OpenAI seeds are signed; the bits are what matter.
             seed: common.seed.unwrap_or(0) as u64,
