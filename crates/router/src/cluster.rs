@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, Transport};
 use transfer::{
     connect_handshake, ClusterSecret, Expectation, Failure, Frame, HandshakeError, PeerRole,
-    PrefixCounters, Role, WorkerInfo,
+    PrefixCounters, Role, TransferCounters, WorkerInfo,
 };
 
 /// How long to wait before re-opening a broken link.
@@ -204,6 +204,7 @@ impl WorkerClient {
             frames_rejected: 0,
             auth_failures: 0,
             prefix: PrefixCounters::default(),
+            transfer: TransferCounters::default(),
         };
         if let Some(Frame::PoolStats {
             pages_free,
@@ -214,16 +215,18 @@ impl WorkerClient {
             frames_rejected,
             auth_failures,
             prefix,
-        }) = state.stats
+            transfer,
+        }) = &state.stats
         {
-            gauges.prefix = prefix;
-            gauges.auth_failures = auth_failures;
-            gauges.pages_free = pages_free;
-            gauges.pages_total = pages_total;
-            gauges.pages_quarantined = pages_quarantined;
-            gauges.queue_depth = queue_depth;
-            gauges.ownership_failures = ownership_failures;
-            gauges.frames_rejected = frames_rejected;
+            gauges.prefix = *prefix;
+            gauges.transfer = **transfer;
+            gauges.auth_failures = *auth_failures;
+            gauges.pages_free = *pages_free;
+            gauges.pages_total = *pages_total;
+            gauges.pages_quarantined = *pages_quarantined;
+            gauges.queue_depth = *queue_depth;
+            gauges.ownership_failures = *ownership_failures;
+            gauges.frames_rejected = *frames_rejected;
         }
         gauges
     }

@@ -170,6 +170,7 @@ pub struct PoolGauges {
     pub frames_rejected: u64,
     pub auth_failures: u64,
     pub prefix: transfer::PrefixCounters,
+    pub transfer: transfer::TransferCounters,
 }
 
 impl Default for Metrics {
@@ -350,6 +351,7 @@ impl Metrics {
              airlock_http_connections_open {}",
             self.http_connections_open.load(Ordering::Relaxed)
         );
+        render_transfer(&mut out, pools);
         self.ttft.render(&mut out);
         self.itl.render(&mut out);
         out
@@ -396,6 +398,64 @@ impl Histogram {
         let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", state.count);
         let _ = writeln!(out, "{name}_sum {}", state.sum);
         let _ = writeln!(out, "{name}_count {}", state.count);
+    }
+}
+
+/// The transport every transfer takes today: length-prefixed frames over TCP (or the
+/// in-process pipe tests use, which carries the same frames).
+const TRANSPORT: &str = "tcp";
+
+/// `airlock_transfer_bytes_total` (prefill: page bytes sent; decode: page bytes of verified
+/// transfers) and `airlock_transfer_seconds` (decode: from a transfer's first page frame to
+/// its verified seal), per worker and transport: bandwidth is their ratio.
+fn render_transfer(out: &mut String, pools: &[PoolGauges]) {
+    let name = "airlock_transfer_bytes_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} KV page bytes a prefill worker sent, or a decode worker received in \
+         transfers it verified.\n# TYPE {name} counter"
+    );
+    for pool in pools {
+        let labels = [
+            ("worker", &*pool.worker),
+            ("role", pool.role),
+            ("transport", TRANSPORT),
+        ];
+        let bytes = match pool.role {
+            "prefill" => pool.transfer.bytes_sent,
+            _ => pool.transfer.bytes_received,
+        };
+        let _ = writeln!(out, "{name}{} {bytes}", format_labels(&labels));
+    }
+    let name = "airlock_transfer_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Time from a transfer's first page frame to its verified seal, on the \
+         decode worker.\n# TYPE {name} histogram"
+    );
+    for pool in pools.iter().filter(|pool| pool.role == "decode") {
+        let labels = [
+            ("worker", &*pool.worker),
+            ("role", pool.role),
+            ("transport", TRANSPORT),
+        ];
+        let mut cumulative = 0;
+        for (bound, count) in transfer::TRANSFER_SECONDS_BOUNDS
+            .iter()
+            .zip(pool.transfer.buckets)
+        {
+            cumulative += count;
+            let le = bound.to_string();
+            let labels = format_labels(&[labels[0], labels[1], labels[2], ("le", &le)]);
+            let _ = writeln!(out, "{name}_bucket{labels} {cumulative}");
+        }
+        let inf = format_labels(&[labels[0], labels[1], labels[2], ("le", "+Inf")]);
+        let transfers = pool.transfer.transfers;
+        let _ = writeln!(out, "{name}_bucket{inf} {transfers}");
+        let labels = format_labels(&labels);
+        let seconds = pool.transfer.micros_sum as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum{labels} {seconds}");
+        let _ = writeln!(out, "{name}_count{labels} {transfers}");
     }
 }
 

@@ -12,7 +12,7 @@ use kv::{Partition, RequestId, TenantId};
 /// Version of this encoding and of the transfer protocol; a peer with another version is
 /// refused at the first frame.
 /// Version 2: the accepting side proves itself only after the connecting side has.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -179,6 +179,41 @@ pub struct PrefixCounters {
     pub pages_not_sent: u64,
 }
 
+/// Upper bounds (seconds) of the transfer-time histogram a decode worker reports: from the
+/// first page frame of a transfer to its verified seal.
+pub const TRANSFER_SECONDS_BOUNDS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// A worker's transfer counters, in its `PoolStats` (they only grow). Prefill counts what it
+/// sent; decode what it received and verified, and how long each verified transfer took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferCounters {
+    /// Page bytes this (prefill) worker sent.
+    pub bytes_sent: u64,
+    /// Page bytes of transfers this (decode) worker verified and sealed.
+    pub bytes_received: u64,
+    /// Verified transfers, and the sum of their times in microseconds.
+    pub transfers: u64,
+    pub micros_sum: u64,
+    /// Verified transfers per bucket of [`TRANSFER_SECONDS_BOUNDS`] (not cumulative: a
+    /// transfer counts in the first bucket whose bound it is within; slower ones in none).
+    pub buckets: [u64; TRANSFER_SECONDS_BOUNDS.len()],
+}
+
+impl TransferCounters {
+    /// Records one verified transfer of `bytes` that took `elapsed`.
+    pub fn observe(&mut self, bytes: u64, elapsed: std::time::Duration) {
+        self.bytes_received += bytes;
+        self.transfers += 1;
+        self.micros_sum += elapsed.as_micros() as u64;
+        let seconds = elapsed.as_secs_f64();
+        if let Some(bucket) = TRANSFER_SECONDS_BOUNDS.iter().position(|&b| seconds <= b) {
+            self.buckets[bucket] += 1;
+        }
+    }
+}
+
 wire_enum! {
     /// Why a finished request stopped.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -337,6 +372,8 @@ pub enum Frame {
         /// Links refused because the peer failed cluster authentication.
         auth_failures: u64,
         prefix: PrefixCounters,
+        /// Boxed: its histogram would double the size of every frame.
+        transfer: Box<TransferCounters>,
     },
     // Prefill -> decode.
     Page {
@@ -568,6 +605,7 @@ impl Frame {
                 frames_rejected,
                 auth_failures,
                 prefix,
+                transfer,
             } => {
                 w.u32(*pages_free);
                 w.u32(*pages_total);
@@ -585,8 +623,15 @@ impl Frame {
                     prefix.prefilled_tokens,
                     prefix.pages_sent,
                     prefix.pages_not_sent,
+                    transfer.bytes_sent,
+                    transfer.bytes_received,
+                    transfer.transfers,
+                    transfer.micros_sum,
                 ] {
                     w.u64(counter);
+                }
+                for bucket in transfer.buckets {
+                    w.u64(bucket);
                 }
             }
             Frame::Page {
@@ -693,6 +738,19 @@ impl Frame {
                     pages_sent: r.u64()?,
                     pages_not_sent: r.u64()?,
                 },
+                transfer: Box::new(TransferCounters {
+                    bytes_sent: r.u64()?,
+                    bytes_received: r.u64()?,
+                    transfers: r.u64()?,
+                    micros_sum: r.u64()?,
+                    buckets: {
+                        let mut buckets = [0; TRANSFER_SECONDS_BOUNDS.len()];
+                        for bucket in &mut buckets {
+                            *bucket = r.u64()?;
+                        }
+                        buckets
+                    },
+                }),
             },
             FrameKind::Page => {
                 let transfer = TransferId(r.u64()?);

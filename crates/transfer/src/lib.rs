@@ -17,12 +17,12 @@ mod inbound;
 pub mod transport;
 
 pub use auth::ClusterSecret;
-pub use checksum::transfer_checksum;
+pub use checksum::{transfer_checksum, TransferHasher};
 pub use frame::{
     page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, Plan,
-    PrefixCounters, Reject, Role, Sampling, Submit, TransferDone, TransferId, WorkerInfo,
-    MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS, MAX_STRING_BYTES,
-    PAGE_FRAME_OVERHEAD_BYTES_MAX, PROTOCOL_VERSION,
+    PrefixCounters, Reject, Role, Sampling, Submit, TransferCounters, TransferDone, TransferId,
+    WorkerInfo, MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS, MAX_STRING_BYTES,
+    PAGE_FRAME_OVERHEAD_BYTES_MAX, PROTOCOL_VERSION, TRANSFER_SECONDS_BOUNDS,
 };
 pub use handshake::{accept_handshake, connect_handshake, Expectation, HandshakeError};
 pub use inbound::Inbound;

@@ -118,6 +118,13 @@ fn sample_frames() -> Vec<Frame> {
                 pages_sent: 13,
                 pages_not_sent: 14,
             },
+            transfer: Box::new(crate::TransferCounters {
+                bytes_sent: 15,
+                bytes_received: 16,
+                transfers: 17,
+                micros_sum: 18,
+                buckets: std::array::from_fn(|i| 19 + i as u64),
+            }),
         },
         Frame::Page {
             transfer: TransferId(99),
@@ -662,4 +669,48 @@ fn a_delta_transfer_takes_only_the_pages_the_receiver_lacks() {
     // Holding more pages than the transfer has is capped: every page is held, none comes.
     let all_held = Inbound::new(TransferId(9), RequestId(1), TenantId(2), 40, 16, 8, 9);
     assert_eq!(all_held.held_pages(), 3);
+}
+
+#[test]
+fn the_streaming_hasher_equals_the_one_shot_checksum() {
+    let done = TransferDone {
+        transfer: TransferId(5),
+        request: RequestId(6),
+        tenant: TenantId(7),
+        page_count: 3,
+        token_count: 40,
+        checksum: 0,
+    };
+    let pages: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i; 64]).collect();
+    let mut streamed = crate::TransferHasher::new(&done);
+    for page in &pages {
+        streamed.page(page);
+    }
+    assert_eq!(streamed.pages(), 3);
+    assert_eq!(
+        streamed.finish(),
+        transfer_checksum(&done, pages.iter().map(Vec::as_slice))
+    );
+    // One page fewer is another checksum: the count of pages is part of what is proved.
+    let mut short = crate::TransferHasher::new(&done);
+    short.page(&pages[0]);
+    short.page(&pages[1]);
+    assert_ne!(short.finish(), streamed.finish());
+}
+
+#[test]
+fn transfer_times_land_in_their_bucket() {
+    let mut counters = crate::TransferCounters::default();
+    counters.observe(1000, std::time::Duration::from_micros(3000));
+    counters.observe(500, std::time::Duration::from_secs(60));
+    assert_eq!(counters.bytes_received, 1500);
+    assert_eq!(counters.transfers, 2);
+    assert_eq!(counters.micros_sum, 60_003_000);
+    // 3 ms is within the 5 ms bound; a minute is beyond every bound.
+    let five_ms = crate::TRANSFER_SECONDS_BOUNDS
+        .iter()
+        .position(|&b| b == 0.005)
+        .unwrap();
+    assert_eq!(counters.buckets[five_ms], 1);
+    assert_eq!(counters.buckets.iter().sum::<u64>(), 1);
 }

@@ -91,6 +91,10 @@ mod imp_off {
             }
         }
         #[inline(always)]
+        pub(crate) fn reshapes_transfers(&self) -> bool {
+            false
+        }
+        #[inline(always)]
         pub(crate) fn answer_delay(&mut self) -> Option<Duration> {
             None
         }
@@ -274,6 +278,12 @@ mod imp {
             self.rules.is_empty()
         }
 
+        /// Whether a rule may reshape a transfer's frames: then prefill holds them until
+        /// `Done` and shapes the whole transfer instead of streaming it.
+        pub(crate) fn reshapes_transfers(&self) -> bool {
+            self.rules.iter().any(|rule| reshapes_transfer(rule.fault))
+        }
+
         fn has(&self, fault: Fault) -> bool {
             self.rules.iter().any(|rule| rule.fault == fault)
         }
@@ -356,20 +366,7 @@ mod imp {
                 delay_done: None,
                 crash_after: None,
             };
-            let fault = self.fires(|f| {
-                matches!(
-                    f,
-                    Fault::DropPage
-                        | Fault::DuplicatePage
-                        | Fault::Reorder
-                        | Fault::DoneEarly
-                        | Fault::CorruptPage
-                        | Fault::ForeignPage
-                        | Fault::Truncate
-                        | Fault::DelayDone(_)
-                        | Fault::CrashMidTransfer
-                )
-            });
+            let fault = self.fires(reshapes_transfer);
             let pages = frames.len() - 1;
             let middle = pages / 2;
             match fault {
@@ -405,6 +402,22 @@ mod imp {
             outgoing.frames = frames;
             outgoing
         }
+    }
+
+    /// The faults [`FaultPlan::shape_transfer`] plants.
+    fn reshapes_transfer(fault: Fault) -> bool {
+        matches!(
+            fault,
+            Fault::DropPage
+                | Fault::DuplicatePage
+                | Fault::Reorder
+                | Fault::DoneEarly
+                | Fault::CorruptPage
+                | Fault::ForeignPage
+                | Fault::Truncate
+                | Fault::DelayDone(_)
+                | Fault::CrashMidTransfer
+        )
     }
 
     fn parse_fault(text: &str) -> Result<Fault, FaultPlanError> {

@@ -106,6 +106,23 @@ fn tenants_never_share_and_a_tenant_reuses(mode: Mode) {
             // not send them.
             let not_sent = total(url, "airlock_transfer_pages_not_sent_total").await;
             assert!(not_sent >= 3.0, "pages not sent: {not_sent}");
+            // Transfer bandwidth is readable from /metrics: what prefill sent is what decode
+            // verified, and each of the five requests' transfers was timed.
+            let page = metrics(url).await;
+            let bytes = samples(&page, "airlock_transfer_bytes_total");
+            let by_role = |role: &str| -> f64 {
+                let label = format!("role=\"{role}\"");
+                bytes
+                    .iter()
+                    .filter(|s| s.0.contains(&label))
+                    .map(|s| s.1)
+                    .sum()
+            };
+            assert!(by_role("prefill") > 0.0, "{bytes:?}");
+            assert_eq!(by_role("prefill"), by_role("decode"), "{bytes:?}");
+            assert!(bytes.iter().all(|s| s.0.contains("transport=\"tcp\"")));
+            let timed = samples(&page, "airlock_transfer_seconds_count");
+            assert_eq!(timed.iter().map(|s| s.1).sum::<f64>(), 5.0, "{timed:?}");
         }
         let hits = total(url, "airlock_prefix_cache_hit_tokens_total").await;
         assert!(hits > 0.0);

@@ -2,6 +2,7 @@
 //! pages in arrival order, starting with the full prompt pages this worker has cached for the
 //! request's tenant and partition (I10), and evicting unreferenced cached pages when short.
 
+use super::send::Stream;
 use super::{failed, Engine, LinkId, Phase, Request, Stage};
 use kv::{CachedPrefix, Owner, PageState, RequestId};
 use std::time::Instant;
@@ -161,6 +162,12 @@ impl Engine {
                         prompt_tokens - 1
                     },
                     placeholder,
+                    stream: Stream::open(
+                        &request.submit,
+                        request.peer,
+                        self.pool.layout(),
+                        self.config.faults.reshapes_transfers(),
+                    ),
                 },
                 Plan::Decode { transfer } => {
                     self.pool
@@ -180,6 +187,7 @@ impl Engine {
                         ),
                         sender: None,
                         since: Instant::now(),
+                        first_frame: None,
                     }
                 }
             };

@@ -36,6 +36,8 @@ mod reuse_tests;
 mod send;
 mod step;
 #[cfg(test)]
+mod stream_tests;
+#[cfg(test)]
 mod tests;
 
 use crate::config::WorkerConfig;
@@ -47,7 +49,7 @@ use std::ops::ControlFlow;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{Failure, Frame, Inbound, PrefixCounters, Submit, TransferId};
+use transfer::{Failure, Frame, Inbound, PrefixCounters, Submit, TransferCounters, TransferId};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -127,14 +129,22 @@ enum Stage {
         /// Fault injection only (`incident`): the prompt was swapped for a one-token
         /// placeholder.
         placeholder: bool,
+        /// Prefill plans: the transfer, streaming as chunks complete pages (boxed: the
+        /// hasher's state is large, and most stages are not streams).
+        stream: Option<Box<send::Stream>>,
     },
     /// Decode: pages reserved, waiting for the transfer.
     Receiving {
         inbound: Inbound,
         /// The link the first frame came on; later frames must come on it too.
         sender: Option<LinkId>,
-        /// When the reservation was made, then when the first frame came.
+        /// When the reservation was made, then when the last frame came: prefill streams
+        /// pages as its chunks complete them, so the timeout is on silence, not on the whole
+        /// prompt's prefill.
         since: Instant,
+        /// When the first frame came: the transfer's time, for `/metrics`, runs from here to
+        /// the verified seal.
+        first_frame: Option<Instant>,
     },
     /// Prefill: pages sent on `peer`, held until the receiver answers.
     Sending {
@@ -172,6 +182,7 @@ struct Stats {
     frames_rejected: u64,
     auth_failures: u64,
     prefix: PrefixCounters,
+    transfer: TransferCounters,
 }
 
 /// The worker's state; see the module docs.
@@ -187,6 +198,8 @@ pub struct Engine {
     /// Page frames sent to decode workers, and pages not sent because decode held them.
     pages_sent: u64,
     pages_not_sent: u64,
+    /// Bytes sent and received, and verified transfers' times, for `/metrics`.
+    transfer_counters: TransferCounters,
     links: HashMap<LinkId, LinkEntry>,
     requests: HashMap<Key, Request>,
     queue: VecDeque<Key>,
@@ -224,6 +237,7 @@ impl Engine {
             prefilled_tokens: 0,
             pages_sent: 0,
             pages_not_sent: 0,
+            transfer_counters: TransferCounters::default(),
             links: HashMap::new(),
             requests: HashMap::new(),
             queue: VecDeque::new(),
@@ -385,6 +399,7 @@ impl Engine {
                 pages_sent: self.pages_sent,
                 pages_not_sent: self.pages_not_sent,
             },
+            transfer: self.transfer_counters,
         };
         if self.last_stats == Some(stats) {
             return;
@@ -399,6 +414,7 @@ impl Engine {
             frames_rejected: stats.frames_rejected,
             auth_failures: stats.auth_failures,
             prefix: stats.prefix,
+            transfer: Box::new(stats.transfer),
         };
         for entry in self.links.values() {
             if entry.kind == LinkKind::Router {

@@ -13,22 +13,28 @@ impl Engine {
         let key = *self.inbound.get(&transfer)?;
         let request = self.requests.get_mut(&key)?;
         let Phase::Admitted {
-            stage: Stage::Receiving { sender, since, .. },
+            stage:
+                Stage::Receiving {
+                    sender,
+                    since,
+                    first_frame,
+                    ..
+                },
             ..
         } = &mut request.phase
         else {
             return None;
         };
         match sender {
-            None => {
-                // The transfer's own clock starts at its first frame: until then the prefill
-                // may have been queued for pages or running a long prompt.
-                *sender = Some(link);
-                *since = Instant::now();
-            }
+            None => *sender = Some(link),
             Some(first) if *first != link => return None,
             Some(_) => {}
         }
+        // The transfer's clock runs from its latest frame: before the first the prefill may
+        // have been queued for pages, and between frames it is computing the next chunk.
+        let now = Instant::now();
+        *since = now;
+        first_frame.get_or_insert(now);
         Some(key)
     }
 
@@ -86,9 +92,15 @@ impl Engine {
         else {
             return;
         };
-        let Stage::Receiving { inbound, .. } = stage else {
+        let Stage::Receiving {
+            inbound,
+            first_frame,
+            ..
+        } = stage
+        else {
             return;
         };
+        let first_frame = first_frame.unwrap_or_else(Instant::now);
         let verified = self.config.faults.transfer_verified();
         let verdict = inbound.check_done(&done).or_else(|reject| {
             // Fault injection only: the guard is off, so the sender's word is taken.
@@ -117,6 +129,11 @@ impl Engine {
         self.pool
             .set_state(table, PageState::Sealed)
             .expect("verified pages go Receiving -> Sealed");
+        let received_pages = (done.page_count - inbound.held_pages()) as u64;
+        self.transfer_counters.observe(
+            received_pages * self.pool.layout().page_bytes() as u64,
+            first_frame.elapsed(),
+        );
         let written = (done.token_count as usize).min(table.capacity_tokens(self.pool.layout()));
         self.pool
             .verify_batch(&[table])

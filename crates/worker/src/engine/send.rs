@@ -1,43 +1,124 @@
-//! Prefill's side of a transfer: seal the prompt's pages, send them and `Done` to the decode
-//! worker, and hold them until it answers (I5).
+//! Prefill's side of a transfer: stream the prompt's pages to the decode worker as each
+//! prefill chunk completes them, then seal, send `Done`, and hold the pages until it answers
+//! (I5).
+//!
+//! A page is final once the chunk that wrote its last slot has run: prefill never writes a
+//! position twice. So each step sends the pages it completed, hashed in index order on the
+//! way ([`TransferHasher`]), and only the last chunk's pages and `Done` wait for the end of
+//! the prompt. Decode's guards do not change: pages land only through its live reservation,
+//! and it seals only when `Done`'s counts match the router's and the checksum matches its own
+//! pages (I4).
 
 use super::{send_later, Engine, Key, LinkId, Phase, Stage};
 use kv::PageState;
 use std::time::Instant;
-use transfer::{transfer_checksum, Failure, Frame, Plan, Reject, TransferDone, TransferId};
+use transfer::{Failure, Frame, Plan, Reject, Submit, TransferDone, TransferHasher, TransferId};
+
+/// A prefill's transfer while its prompt is being computed.
+pub(super) struct Stream {
+    peer: LinkId,
+    /// `Done` as it will be sent, but its checksum.
+    done: TransferDone,
+    hasher: TransferHasher,
+    /// Leading pages decode holds from its own cache: hashed, never sent.
+    decode_holds: usize,
+    /// Fault builds whose plan reshapes transfers keep the frames until `Done` and shape the
+    /// whole transfer then; `None` streams.
+    held: Option<Vec<Frame>>,
+}
+
+impl Stream {
+    /// The stream of a prefill request's transfer, or `None` for other plans.
+    pub(super) fn open(
+        submit: &Submit,
+        peer: Option<LinkId>,
+        layout: &kv::KvLayout,
+        hold_frames: bool,
+    ) -> Option<Box<Stream>> {
+        let Plan::Prefill {
+            transfer,
+            decode_holds_pages,
+            ..
+        } = submit.plan
+        else {
+            return None;
+        };
+        let token_count = (submit.prompt.len() - 1) as u32;
+        let done = TransferDone {
+            transfer,
+            request: submit.request,
+            tenant: submit.tenant,
+            // The router fixed the count: the pages of the whole prompt (the incident's
+            // placeholder claims these too, for a prompt it never ran).
+            page_count: layout.pages_for_tokens(token_count as usize) as u32,
+            token_count,
+            checksum: 0,
+        };
+        Some(Box::new(Stream {
+            peer: peer?,
+            hasher: TransferHasher::new(&done),
+            done,
+            decode_holds: decode_holds_pages as usize,
+            held: hold_frames.then(Vec::new),
+        }))
+    }
+}
 
 impl Engine {
+    /// Sends the pages of a prefilling request that its chunks have completed so far.
+    pub(super) fn stream_pages(&mut self, key: Key) {
+        let Some(request) = self.requests.get_mut(&key) else {
+            return;
+        };
+        let Phase::Admitted {
+            table,
+            stage:
+                Stage::Prefilling {
+                    done,
+                    stream: Some(stream),
+                    ..
+                },
+        } = &mut request.phase
+        else {
+            return;
+        };
+        let complete = (*done / self.pool.layout().page_size_tokens).min(table.pages().len());
+        if complete <= stream.hasher.pages() as usize {
+            return;
+        }
+        let mut views = self
+            .pool
+            .verify_batch(&[table])
+            .expect("a request's own pages verify");
+        let view = views.pop().expect("one view per table");
+        let frames = page_frames(stream, complete, |index| {
+            bytemuck::cast_slice::<_, u8>(view.page(index)).to_vec()
+        });
+        drop(views);
+        self.emit(key, frames, false);
+    }
+
+    /// The whole prompt is in KV: seal, send the rest of the pages and `Done`.
     pub(super) fn send_pages(&mut self, key: Key, transfer: TransferId) {
         let Some(request) = self.requests.get_mut(&key) else {
             return;
         };
-        let Phase::Admitted { table, stage } = &mut request.phase else {
+        let Phase::Admitted {
+            table,
+            stage:
+                Stage::Prefilling {
+                    placeholder,
+                    stream,
+                    ..
+                },
+        } = &mut request.phase
+        else {
             return;
         };
-        let Stage::Prefilling { placeholder, .. } = *stage else {
-            return;
-        };
-        let peer = request
-            .peer
-            .and_then(|peer| Some((peer, self.links.get(&peer)?)));
-        let Some((peer, peer_entry)) = peer else {
+        let Some(stream) = stream.as_mut().filter(|s| self.links.contains_key(&s.peer)) else {
             let message = "the link to the decode worker is gone".to_string();
             self.end(key, Err((Failure::PeerUnavailable, message)));
             return;
-        };
-        let token_count = (request.submit.prompt.len() - 1) as u32;
-        let mut page_count = table.pages().len() as u32;
-        if placeholder {
-            // The incident's lie: "complete", with the counts of the prompt it never ran.
-            page_count = self.pool.layout().pages_for_tokens(token_count as usize) as u32;
-        }
-        let mut done = TransferDone {
-            transfer,
-            request: key.1,
-            tenant: request.submit.tenant,
-            page_count,
-            token_count,
-            checksum: 0,
         };
         // Sealed: prefill wrote its last K/V; nothing writes these pages again.
         self.pool
@@ -48,54 +129,30 @@ impl Engine {
             .verify_batch(&[table])
             .expect("a request's own pages verify");
         let view = views.pop().expect("one view per table");
-        let mut pages: Vec<Vec<u8>> = (0..view.page_len())
-            .map(|i| bytemuck::cast_slice::<_, u8>(view.page(i)).to_vec())
-            .collect();
-        if let Some(last) = pages.last_mut().filter(|_| !placeholder) {
-            blank_unwritten_slots(last, view.layout(), token_count as usize);
-        }
-        if !cfg!(feature = "unguarded-checksum") {
-            done.checksum = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
-        }
-        // Delta transfer: the pages decode holds from its own cache stay here. The checksum
-        // above still covers them, as decode's check does, so a decode whose cached pages
-        // differ from ours refuses the transfer.
-        let decode_holds = match &request.submit.plan {
-            Plan::Prefill {
-                decode_holds_pages, ..
-            } => *decode_holds_pages as usize,
-            _ => 0,
-        };
-        let mut frames: Vec<Frame> = pages
-            .into_iter()
-            .enumerate()
-            .skip(decode_holds)
-            .map(|(index, bytes)| Frame::Page {
-                transfer,
-                request: key.1,
-                tenant: done.tenant,
-                index: index as u32,
-                bytes,
-            })
-            .collect();
-        self.pages_sent += frames.len() as u64;
-        self.pages_not_sent += decode_holds.min(page_count as usize) as u64;
-        frames.push(Frame::Done(done));
-        let outgoing = self.config.faults.shape_transfer(frames);
-        for (sent, frame) in outgoing.frames.into_iter().enumerate() {
-            if outgoing.crash_after == Some(sent) {
-                crate::faults::crash("mid-transfer");
+        // A one-token prompt moves no KV at all: no pages, only `Done`.
+        let last = view.page_len().checked_sub(1);
+        let token_count = stream.done.token_count as usize;
+        let mut frames = page_frames(stream, view.page_len(), |index| {
+            let mut bytes = bytemuck::cast_slice::<_, u8>(view.page(index)).to_vec();
+            if Some(index) == last && !*placeholder {
+                blank_unwritten_slots(&mut bytes, view.layout(), token_count);
             }
-            match (frame, outgoing.delay_done) {
-                (frame @ Frame::Done(_), Some(delay)) => {
-                    send_later(peer_entry.tx.clone(), frame, delay)
-                }
-                (frame, _) => {
-                    let _ = peer_entry.tx.send(frame);
-                }
-            }
-        }
+            bytes
+        });
         drop(views);
+        let mut done = stream.done;
+        if !cfg!(feature = "unguarded-checksum") {
+            done.checksum = stream.hasher.finish();
+        }
+        frames.push(Frame::Done(done));
+        self.pages_not_sent += stream.decode_holds.min(stream.hasher.pages() as usize) as u64;
+        let peer = stream.peer;
+        self.emit(key, frames, true);
+        let Some(Phase::Admitted { table, stage }) =
+            self.requests.get_mut(&key).map(|r| &mut r.phase)
+        else {
+            return;
+        };
         self.pool
             .set_state(table, PageState::Sending)
             .expect("sealed pages go Sealed -> Sending");
@@ -110,6 +167,59 @@ impl Engine {
         if cfg!(feature = "unguarded-deferred-release") {
             // Benchmark builds only: free the pages now instead of on the receiver's answer.
             self.end(key, Ok(Frame::Ack { transfer }));
+        }
+    }
+
+    /// Puts a streaming request's frames on its decode link (or, in fault builds that reshape
+    /// transfers, holds them until the `last` batch and shapes the whole transfer).
+    fn emit(&mut self, key: Key, frames: Vec<Frame>, last: bool) {
+        let Some(Phase::Admitted {
+            stage:
+                Stage::Prefilling {
+                    stream: Some(stream),
+                    ..
+                },
+            ..
+        }) = self.requests.get_mut(&key).map(|r| &mut r.phase)
+        else {
+            return;
+        };
+        let page_bytes = self.pool.layout().page_bytes() as u64;
+        let pages = frames
+            .iter()
+            .filter(|frame| matches!(frame, Frame::Page { .. }))
+            .count() as u64;
+        self.pages_sent += pages;
+        self.transfer_counters.bytes_sent += pages * page_bytes;
+        let Some(peer) = self.links.get(&stream.peer) else {
+            return;
+        };
+        let frames = match &mut stream.held {
+            Some(held) => {
+                held.extend(frames);
+                if !last {
+                    return;
+                }
+                std::mem::take(held)
+            }
+            None => {
+                for frame in frames {
+                    let _ = peer.tx.send(frame);
+                }
+                return;
+            }
+        };
+        let outgoing = self.config.faults.shape_transfer(frames);
+        for (sent, frame) in outgoing.frames.into_iter().enumerate() {
+            if outgoing.crash_after == Some(sent) {
+                crate::faults::crash("mid-transfer");
+            }
+            match (frame, outgoing.delay_done) {
+                (frame @ Frame::Done(_), Some(delay)) => send_later(peer.tx.clone(), frame, delay),
+                (frame, _) => {
+                    let _ = peer.tx.send(frame);
+                }
+            }
         }
     }
 
@@ -160,4 +270,29 @@ pub(super) fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, toke
             }
         }
     }
+}
+
+/// Hashes the transfer's pages from the first not yet hashed up to `upto` (exclusive), in
+/// index order, and returns frames for those decode does not hold. `bytes_of` gives a page's
+/// bytes as they are to be sent.
+fn page_frames(
+    stream: &mut Stream,
+    upto: usize,
+    mut bytes_of: impl FnMut(usize) -> Vec<u8>,
+) -> Vec<Frame> {
+    let mut frames = Vec::new();
+    for index in stream.hasher.pages() as usize..upto {
+        let bytes = bytes_of(index);
+        stream.hasher.page(&bytes);
+        if index >= stream.decode_holds {
+            frames.push(Frame::Page {
+                transfer: stream.done.transfer,
+                request: stream.done.request,
+                tenant: stream.done.tenant,
+                index: index as u32,
+                bytes,
+            });
+        }
+    }
+    frames
 }

@@ -95,6 +95,8 @@ impl Engine {
             self.prefilled_tokens += count as u64;
             if *done == *target {
                 self.prefilled(key);
+            } else {
+                self.stream_pages(key);
             }
         }
     }

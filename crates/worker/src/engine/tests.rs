@@ -49,6 +49,16 @@ pub(super) struct Link {
 impl Worker {
     /// A worker of `role` whose pool holds `kv_tokens` tokens, with a router on [`ROUTER`].
     pub(super) fn new(role: Role, kv_tokens: usize) -> (Worker, Link) {
+        Worker::with_step_tokens(role, kv_tokens, 64)
+    }
+
+    /// [`Worker::new`] with forward steps of `step_tokens` tokens, so a prompt is prefilled
+    /// in chunks of that size.
+    pub(super) fn with_step_tokens(
+        role: Role,
+        kv_tokens: usize,
+        step_tokens: usize,
+    ) -> (Worker, Link) {
         let model = OracleModel::new(VOCAB, CONTEXT);
         let pool = PagePool::new(PoolConfig {
             layout: model.kv_layout(PAGE_SIZE),
@@ -65,7 +75,7 @@ impl Worker {
             queue_max: 2,
             queue_timeout: QUEUE_TIMEOUT,
             transfer_timeout: TRANSFER_TIMEOUT,
-            step_tokens: 64,
+            step_tokens,
             max_batch: 8,
             faults: FaultPlan::none(),
         };
@@ -95,7 +105,7 @@ impl Worker {
     }
 
     /// One turn of the engine's loop, with its clock at `now`.
-    fn turn_at(&mut self, now: Instant) {
+    pub(super) fn turn_at(&mut self, now: Instant) {
         let first = self.inbox.try_recv().ok();
         assert!(self.engine.apply_events(first, &self.inbox).is_continue());
         self.engine.work(|| now);
@@ -288,7 +298,7 @@ fn prefilled() -> (Worker, Link, Link, Vec<Frame>) {
 
 /// A decode worker with [`PROMPT`] reserved under [`TRANSFER`], and a prefill peer on
 /// `PREFILL`: the worker, its router link and the prefill link.
-fn reserved() -> (Worker, Link, Link) {
+pub(super) fn reserved() -> (Worker, Link, Link) {
     let (mut decode, mut router) = Worker::new(Role::Decode, 32);
     let prefill = decode.link(PREFILL, LinkKind::PrefillPeer);
     let submit = submit(1, &PROMPT, MAX_TOKENS, Plan::Decode { transfer: TRANSFER });
