@@ -79,7 +79,8 @@ pub struct CommonArgs {
     /// Milliseconds a request may wait for KV pages before 503
     #[arg(long, env = "AIRLOCK_QUEUE_TIMEOUT_MS", default_value_t = 30_000)]
     pub queue_timeout_ms: u64,
-    /// Milliseconds a KV transfer may take before it fails
+    /// Milliseconds a KV transfer may go without progress before it fails (decode: between
+    /// page frames; prefill: from `Done` to decode's answer)
     #[arg(long, env = "AIRLOCK_TRANSFER_TIMEOUT_MS", default_value_t = 30_000)]
     pub transfer_timeout_ms: u64,
     /// Tokens per forward step (one per decoding request, the rest for prompt chunks)

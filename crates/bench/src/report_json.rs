@@ -75,6 +75,7 @@ pub(crate) fn report_json(
                 "page_bytes": t.layout.page_bytes(),
             },
             "memcpy_gb_s": t.memcpy_gb_s,
+            "socket_gb_s": t.socket_gb_s,
             "xxh3_gb_s": t.xxh3_gb_s,
             "points": t.points.iter().map(|p| json!({
                 "tokens": p.tokens,
@@ -209,6 +210,8 @@ pub(crate) fn results_from_json(
                 },
                 points,
                 memcpy_gb_s: number(transfer, "memcpy_gb_s")?,
+                // Reports written before the socket baseline existed have none.
+                socket_gb_s: number(transfer, "socket_gb_s").unwrap_or(f64::NAN),
                 xxh3_gb_s: number(transfer, "xxh3_gb_s")?,
             })
         }

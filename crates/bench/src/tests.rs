@@ -96,6 +96,7 @@ fn a_report_replots_from_its_json() {
         }],
         memcpy_gb_s: 15.0,
         xxh3_gb_s: 13.0,
+        socket_gb_s: 4.0,
     };
     let loads = [("start".to_string(), "0.5".to_string())];
     let json = report_json(&args, &machine, &loads, &results, Some(&transfer));

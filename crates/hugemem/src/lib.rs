@@ -17,6 +17,9 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
+mod cells;
+pub use cells::{OwnedPageRef, PageCells, PageMut, PageRef};
+
 /// The huge-page size asked for (x86-64's PMD size).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 
@@ -109,14 +112,14 @@ impl<T> fmt::Debug for HugeBuffer<T> {
 }
 
 #[cfg(target_os = "linux")]
-mod mapped {
+pub(crate) mod mapped {
     use std::marker::PhantomData;
     use std::ptr::NonNull;
 
     use super::HUGE_PAGE_BYTES;
 
     /// An anonymous private mapping holding `len` `T`s from a huge-page boundary.
-    pub(super) struct Mapping<T> {
+    pub(crate) struct Mapping<T> {
         /// Start of the whole mapping, as `mmap` returned it (what `munmap` takes).
         base: NonNull<libc::c_void>,
         mapped_bytes: usize,
@@ -135,7 +138,7 @@ mod mapped {
 
     impl<T: bytemuck::Zeroable> Mapping<T> {
         /// `None` when the kernel refuses the mapping (the caller falls back to the heap).
-        pub(super) fn new(len: usize) -> Option<Mapping<T>> {
+        pub(crate) fn new(len: usize) -> Option<Mapping<T>> {
             const {
                 assert!(
                     align_of::<T>() <= HUGE_PAGE_BYTES,
@@ -182,6 +185,11 @@ mod mapped {
     }
 
     impl<T> Mapping<T> {
+        /// The first element, for owners that hand out their own per-page slices.
+        pub(crate) fn as_non_null(&self) -> NonNull<T> {
+            self.elements
+        }
+
         pub(super) fn as_slice(&self) -> &[T] {
             // SAFETY: `elements` is aligned for `T` (a huge-page boundary, and `T`'s
             // alignment divides it), the mapping holds `len` of them and lives as long as

@@ -117,3 +117,84 @@ fn thp_eligible(address: usize) -> Option<bool> {
     }
     None
 }
+
+mod cells {
+    use crate::PageCells;
+    use std::sync::Arc;
+
+    #[test]
+    fn readers_share_a_page_and_exclude_its_writer_until_they_drop() {
+        let cells = PageCells::<u32>::zeroed(3, 4);
+        let first = cells.read(1).expect("a free page reads");
+        let second = cells.read(1).expect("readers share");
+        assert!(cells.write(1).is_none(), "no writer beside readers");
+        assert!(cells.is_borrowed(1) && !cells.is_borrowed(0));
+        drop((first, second));
+        let mut writer = cells.write(1).expect("the readers are gone");
+        writer.copy_from_slice(&[1, 2, 3, 4]);
+        assert!(cells.read(1).is_none(), "no reader beside the writer");
+        assert!(cells.write(1).is_none(), "one writer at a time");
+        // Other pages are independent of this one.
+        cells.write(0).expect("page 0 is free")[0] = 9;
+        drop(writer);
+        assert_eq!(&*cells.read(1).unwrap(), &[1, 2, 3, 4]);
+        assert_eq!(&*cells.read(0).unwrap(), &[9, 0, 0, 0]);
+        assert_eq!(&*cells.read(2).unwrap(), &[0; 4], "pages start zeroed");
+        assert!(!cells.is_borrowed(0) && !cells.is_borrowed(1));
+    }
+
+    #[test]
+    fn an_owned_reader_crosses_threads_and_keeps_the_page_and_the_memory() {
+        // Large enough for the huge-page mapping path, and a small one for the heap path.
+        for page_len in [1 << 20, 16] {
+            let cells = Arc::new(PageCells::<u16>::zeroed(4, page_len));
+            cells.write(2).unwrap().fill(7);
+            let lent = cells.read_owned(2).expect("a free page lends");
+            let copy = lent.clone();
+            // The pool's own handle goes; the lent page stays readable and unwritable.
+            let weak = Arc::downgrade(&cells);
+            assert!(cells.write(2).is_none());
+            drop(cells);
+            let sum = std::thread::spawn(move || lent.iter().map(|&v| u64::from(v)).sum::<u64>())
+                .join()
+                .unwrap();
+            assert_eq!(sum, 7 * page_len as u64);
+            assert_eq!(copy.page(), 2);
+            assert!(
+                weak.upgrade().is_some(),
+                "the memory lives while a page is lent"
+            );
+            drop(copy);
+            assert!(weak.upgrade().is_none(), "and goes with the last guard");
+        }
+    }
+
+    #[test]
+    fn concurrent_readers_and_writers_of_other_pages_never_collide() {
+        let cells = Arc::new(PageCells::<u64>::zeroed(8, 64));
+        let threads: Vec<_> = (0..4)
+            .map(|thread| {
+                let cells = cells.clone();
+                std::thread::spawn(move || {
+                    for round in 0..2_000u64 {
+                        // Each thread writes its own page and reads every page.
+                        let own = thread * 2;
+                        if let Some(mut page) = cells.write(own) {
+                            page.fill(round);
+                        }
+                        for page in 0..8 {
+                            if let Some(read) = cells.read(page) {
+                                let first = read[0];
+                                assert!(read.iter().all(|&v| v == first), "torn page");
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert!((0..8).all(|page| !cells.is_borrowed(page)));
+    }
+}

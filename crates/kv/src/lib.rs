@@ -14,9 +14,13 @@
 //!   does not verify frees nothing, and `check_invariants` proves the free list and the headers
 //!   agree. That every request eventually releases its pages is the workers' job.
 //!
+//! - **I5** in part: a page lent to a transport ([`LentPage`]: the send path reads it straight
+//!   from pool memory on another thread) is never written or reallocated while lent; a release
+//!   parks it until the last lent guard drops.
+//!
 //! What this crate is not: it does no I/O, spawns no threads, knows nothing of the model or the
-//! transfer protocol beyond page states, and contains no `unsafe` (the pages' storage is one
-//! `hugemem` buffer, and disjoint mutable borrows of pages come from safe slice splitting).
+//! transfer protocol beyond page states, and contains no `unsafe` (the pages' storage is
+//! `hugemem::PageCells`, whose per-page run-time borrow checks hand out every page slice).
 //! Pages are reused without zeroing unless `scrub_on_free` is set: the header check, not
 //! zeroing, is what keeps tenants apart.
 #![forbid(unsafe_code)]
@@ -25,7 +29,7 @@ mod pool;
 mod prefix;
 mod shared;
 
-pub use pool::{PagePool, PageTable, PageView};
+pub use pool::{LentPage, PagePool, PageTable, PageView};
 pub use prefix::{CachedPrefix, Partition, PrefixCache, PrefixStats};
 
 /// The value scrub-on-free writes into every element of a freed page.
@@ -176,13 +180,6 @@ impl KvLayout {
         ((layer * 2 + kind as usize) * self.kv_head_count + kv_head) * self.head_elems()
     }
 
-    /// Where page number `page_index` lies in a pool's storage, which holds the pages one
-    /// after another.
-    fn page_range(&self, page_index: usize) -> std::ops::Range<usize> {
-        let page_elems = self.page_elems();
-        page_index * page_elems..(page_index + 1) * page_elems
-    }
-
     /// `page_bytes`, or `None` when a dimension is zero or the size overflows `usize`.
     fn checked_page_bytes(&self) -> Option<usize> {
         let dims = [
@@ -272,6 +269,8 @@ pub enum Error {
     },
     #[error("page {page:?} is {state:?}, not in a state this access allows")]
     PageNotReadable { page: PageId, state: PageState },
+    #[error("page {page:?} is lent to a transport (or otherwise borrowed) and cannot be taken")]
+    PageBusy { page: PageId },
     #[error("page {page:?} appears more than once in one batch or table")]
     DuplicatePage { page: PageId },
     #[error("page {page:?} cannot go from {from:?} to {to:?}")]
@@ -284,6 +283,8 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+#[cfg(test)]
+mod lend_tests;
 #[cfg(test)]
 mod prefix_tests;
 #[cfg(test)]

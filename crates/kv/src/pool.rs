@@ -1,9 +1,10 @@
 //! The pool itself: headers, page storage, the free list, and the one checked road to KV bytes.
 
 use std::fmt;
+use std::sync::Arc;
 
 use half::f16;
-use hugemem::HugeBuffer;
+use hugemem::{OwnedPageRef, PageCells, PageMut, PageRef};
 
 use crate::{
     Error, Generation, Holder, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
@@ -14,12 +15,15 @@ use crate::{
 /// anything: every use goes back to the headers through the pool.
 ///
 /// The first `shared` entries are prefix-cache pages of the owner's tenant (read-only, held
-/// by reference); the rest are the request's own.
+/// by reference); the rest are the request's own. The first `frozen` entries (at least the
+/// shared ones) are final: views give them read-only, so they may be lent to a transport
+/// while later pages are still written.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PageTable {
     pub(crate) owner: Owner,
     pub(crate) pages: Vec<(PageId, Generation)>,
     pub(crate) shared: usize,
+    pub(crate) frozen: usize,
 }
 
 /// A fixed set of preallocated, owner-tagged KV pages.
@@ -28,11 +32,15 @@ pub struct PagePool {
     scrub_on_free: bool,
     /// One header per page, indexed by `PageId`.
     pub(crate) headers: Vec<PageHeader>,
-    /// Every page's KV bytes, page after page (`layout.page_elems()` each), in one buffer:
-    /// one allocation however many pages, advised for huge pages (attention's scattered reads
-    /// measured the same on them, BENCHMARKS.md). A batch still holds disjoint `&mut` to its
-    /// pages through safe slice splitting.
-    storage: HugeBuffer<f16>,
+    /// Every page's KV bytes (`layout.page_elems()` each), in one buffer: one allocation
+    /// however many pages, advised for huge pages (attention's scattered reads measured the
+    /// same on them, BENCHMARKS.md). Each page is borrowed through a run-time checked guard,
+    /// so a page lent to a transport (read by a socket writer on another thread) can never be
+    /// written or reused meanwhile.
+    storage: Arc<PageCells<f16>>,
+    /// Released pages a transport still reads: free, but handed out again only once the last
+    /// lent guard is gone ([`PagePool::reclaim_returned`]).
+    returning: Vec<PageId>,
     /// Per page: slots `0..written_tokens` hold K/V written since the page's last allocation;
     /// the rest still hold whatever an earlier owner left (pages are not zeroed), so nothing
     /// may read them. Reset at every allocation.
@@ -53,12 +61,23 @@ pub struct PagePool {
 enum Page<'p> {
     /// The request's own page: its KV bytes and its count of written token slots.
     Private {
-        data: &'p mut [f16],
+        data: PageMut<'p, f16>,
         written_tokens: &'p mut usize,
     },
-    /// A full prefix-cache page of the request's tenant: read-only, and possibly in other
-    /// views of the same batch.
-    Shared { data: &'p [f16] },
+    /// A full page the request only reads: a prefix-cache page of its tenant (possibly in
+    /// other views of the same batch), or one of its own pages it froze.
+    ReadOnly { data: PageRef<'p, f16> },
+}
+
+/// One page's bytes lent to a transport: readable from any thread, and while it lives the
+/// pool neither writes the page nor hands it to anyone else.
+#[derive(Clone, Debug)]
+pub struct LentPage(OwnedPageRef<f16>);
+
+impl LentPage {
+    pub fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
 }
 
 /// Proof that a table's pages were checked: `&'p mut` to exactly the table's pages, in table
@@ -67,8 +86,8 @@ enum Page<'p> {
 pub struct PageView<'p> {
     owner: Owner,
     layout: KvLayout,
-    /// Leading pages that are shared (read-only).
-    shared: usize,
+    /// Leading pages that are read-only (shared or frozen).
+    read_only: usize,
     pages: Vec<Page<'p>>,
 }
 
@@ -84,6 +103,17 @@ impl PageTable {
     /// How many leading pages are shared prefix-cache pages.
     pub fn shared_pages(&self) -> usize {
         self.shared
+    }
+
+    /// How many leading pages are read-only in views: shared, or frozen by the holder.
+    pub fn read_only_pages(&self) -> usize {
+        self.shared.max(self.frozen).min(self.pages.len())
+    }
+
+    /// Declares the first `pages` entries final: views give them read-only from now on (so
+    /// they can be lent to a transport while the rest is written). Never shrinks.
+    pub fn freeze(&mut self, pages: usize) {
+        self.frozen = self.frozen.max(pages.min(self.pages.len()));
     }
 
     /// The request's own pages, past the shared prefix.
@@ -104,6 +134,7 @@ impl PageTable {
             owner,
             pages,
             shared: 0,
+            frozen: 0,
         }
     }
 
@@ -119,6 +150,7 @@ impl PageTable {
             owner,
             pages,
             shared,
+            frozen: 0,
         }
     }
 
@@ -145,6 +177,8 @@ pub(crate) struct Claim {
     table_index: usize,
     position: usize,
     shared: bool,
+    /// Taken read-only in a view: shared, or frozen by its table.
+    read_only: bool,
 }
 
 impl PagePool {
@@ -185,7 +219,8 @@ impl PagePool {
             generation: Generation(0),
             state: PageState::Free,
         };
-        let storage_elems = page_count
+        // f16 elements: bytes are twice the count, and must stay within isize.
+        page_count
             .checked_mul(page_elems)
             .filter(|&elems| elems <= isize::MAX as usize / 2)
             .ok_or(Error::PoolTooLarge {
@@ -193,17 +228,21 @@ impl PagePool {
                 page_count,
                 page_bytes,
             })?;
-        let mut storage = HugeBuffer::zeroed(storage_elems);
+        let storage = Arc::new(PageCells::zeroed(page_count, page_elems));
         // Scrubbing pools start scrubbed, so a never-used page looks like a freed one (the
         // ghost value under `ghost-fill`): a zeroed pool hides stale reads.
         if initial_fill != f16::ZERO {
-            storage.fill(initial_fill);
+            for page in 0..page_count {
+                let mut data = storage.write(page).expect("a new pool lends nothing");
+                data.fill(initial_fill);
+            }
         }
         Ok(PagePool {
             layout,
             scrub_on_free: config.scrub_on_free,
             headers: vec![header; page_count],
             storage,
+            returning: Vec::new(),
             written_tokens: vec![0; page_count],
             refs: vec![0; page_count],
             // Reversed so that a fresh pool hands out page 0 first.
@@ -271,6 +310,7 @@ impl PagePool {
             owner,
             pages: Vec::with_capacity(needed),
             shared: 0,
+            frozen: 0,
         };
         self.take_free_pages(&mut table, needed)?;
         Ok(table)
@@ -325,10 +365,64 @@ impl PagePool {
         );
         header.holder = None;
         header.state = PageState::Free;
+        if self.storage.is_borrowed(page.index()) {
+            // A transport still reads it: free, but not reusable until it lets go.
+            self.returning.push(page);
+            return;
+        }
+        self.put_on_free_list(page);
+    }
+
+    fn put_on_free_list(&mut self, page: PageId) {
         if self.scrub_on_free {
-            self.storage[self.layout.page_range(page.index())].fill(SCRUB_FILL);
+            let mut data = self
+                .storage
+                .write(page.index())
+                .expect("only pages no guard holds reach the free list");
+            data.fill(SCRUB_FILL);
         }
         self.free.push(page);
+    }
+
+    /// Puts released pages whose lent guards are all gone back on the free list; returns how
+    /// many. Call before counting free pages; allocation calls it itself.
+    pub fn reclaim_returned(&mut self) -> usize {
+        let mut reclaimed = 0;
+        let mut index = 0;
+        while index < self.returning.len() {
+            let page = self.returning[index];
+            if self.storage.is_borrowed(page.index()) {
+                index += 1;
+                continue;
+            }
+            self.returning.swap_remove(index);
+            self.put_on_free_list(page);
+            reclaimed += 1;
+        }
+        reclaimed
+    }
+
+    /// Released pages still lent to a transport (not yet reusable).
+    pub fn pages_returning(&self) -> usize {
+        self.returning.len()
+    }
+
+    /// Lends pages `range` of a verified table (`Writing`, `Sealed` or shared pages only) to
+    /// a transport: each [`LentPage`] reads the page from any thread until it drops, and
+    /// meanwhile no view writes the page and no allocation hands it out (a release parks it
+    /// until then). Freeze the pages first ([`PageTable::freeze`]) to go on taking views of
+    /// the table while they are lent.
+    pub fn lend(&self, table: &PageTable, range: std::ops::Range<usize>) -> Result<Vec<LentPage>> {
+        self.verify_tables(&[table], Access::Bytes)?;
+        table.pages[range]
+            .iter()
+            .map(|&(page, _)| {
+                self.storage
+                    .read_owned(page.index())
+                    .map(LentPage)
+                    .ok_or(Error::PageBusy { page })
+            })
+            .collect()
     }
 
     /// Move every page of a verified table to `state`, all or nothing.
@@ -386,41 +480,45 @@ impl PagePool {
             .map(|table| (0..table.pages.len()).map(|_| None).collect())
             .collect();
         // Claims are sorted and distinct, so each one lies beyond the previous: split the
-        // storage (and the written counts) just past it and keep walking the tails. Safe
-        // disjoint borrows, one per page.
-        let page_elems = layout.page_elems();
-        let mut rest_data: &'p mut [f16] = &mut self.storage;
+        // written counts just past it and keep walking the tails (safe disjoint borrows, one
+        // per page). The bytes come through the page's guard: a write guard for a page the
+        // table may write, a read guard for one it only reads (which a transport may be
+        // reading too); a page whose guard is taken (lent) refuses the batch.
+        let storage: &'p PageCells<f16> = &self.storage;
         let mut rest_written: &'p mut [usize] = &mut self.written_tokens;
         let mut rest_first_index = 0;
-        // The last shared page split off, for the next claims of the same page.
-        let mut last_shared: Option<(PageId, &'p [f16])> = None;
+        let mut last_read_only: Option<PageId> = None;
         for claim in claims {
-            if let Some((page, data)) = last_shared.filter(|(page, _)| *page == claim.page) {
-                slots[claim.table_index][claim.position] = Some(Page::Shared { data });
-                last_shared = Some((page, data));
-                continue;
-            }
-            let skip = claim.page.index() - rest_first_index;
-            let (_, from_claim) = std::mem::take(&mut rest_data).split_at_mut(skip * page_elems);
-            let (data, after) = from_claim.split_at_mut(page_elems);
-            let (_, written_from_claim) = std::mem::take(&mut rest_written).split_at_mut(skip);
-            let (written_tokens, written_after) = written_from_claim
-                .split_first_mut()
-                .expect("a verified page id is below page_count, so the tail is not empty");
-            let page = if claim.shared {
-                let data: &'p [f16] = data;
-                last_shared = Some((claim.page, data));
-                Page::Shared { data }
+            let page_index = claim.page.index();
+            let page = if claim.read_only {
+                let data = storage
+                    .read(page_index)
+                    .ok_or(Error::PageBusy { page: claim.page })?;
+                if last_read_only != Some(claim.page) {
+                    let skip = page_index - rest_first_index;
+                    let (_, from_claim) = std::mem::take(&mut rest_written).split_at_mut(skip);
+                    rest_written = &mut from_claim[1..];
+                    rest_first_index = page_index + 1;
+                }
+                last_read_only = Some(claim.page);
+                Page::ReadOnly { data }
             } else {
+                let data = storage
+                    .write(page_index)
+                    .ok_or(Error::PageBusy { page: claim.page })?;
+                let skip = page_index - rest_first_index;
+                let (_, written_from_claim) = std::mem::take(&mut rest_written).split_at_mut(skip);
+                let (written_tokens, written_after) = written_from_claim
+                    .split_first_mut()
+                    .expect("a verified page id is below page_count, so the tail is not empty");
+                rest_written = written_after;
+                rest_first_index = page_index + 1;
                 Page::Private {
                     data,
                     written_tokens,
                 }
             };
             slots[claim.table_index][claim.position] = Some(page);
-            rest_data = after;
-            rest_written = written_after;
-            rest_first_index = claim.page.index() + 1;
         }
         let views = tables
             .iter()
@@ -428,7 +526,7 @@ impl PagePool {
             .map(|(table, table_slots)| PageView {
                 owner: table.owner,
                 layout,
-                shared: table.shared,
+                read_only: table.read_only_pages(),
                 pages: table_slots
                     .into_iter()
                     .map(|slot| slot.expect("every claim of every table was filled above"))
@@ -443,8 +541,8 @@ impl PagePool {
     pub fn check_invariants(&self) {
         let page_count = self.headers.len();
         assert_eq!(
-            self.storage.len(),
-            page_count * self.layout.page_elems(),
+            (self.storage.page_count(), self.storage.page_len()),
+            (page_count, self.layout.page_elems()),
             "storage for every header's page"
         );
         assert_eq!(
@@ -459,7 +557,7 @@ impl PagePool {
             );
         }
         let mut on_free_list = vec![false; page_count];
-        for page in &self.free {
+        for page in self.free.iter().chain(&self.returning) {
             assert!(
                 page.index() < page_count,
                 "free list names {page:?}, out of range"
@@ -506,6 +604,9 @@ impl PagePool {
 
     /// Pop `needed` free pages onto `table`, or change nothing and say how short we are.
     fn take_free_pages(&mut self, table: &mut PageTable, needed: usize) -> Result<()> {
+        if needed > self.free.len() {
+            self.reclaim_returned();
+        }
         if needed > self.free.len() {
             return Err(Error::OutOfPages {
                 needed,
@@ -564,6 +665,7 @@ impl PagePool {
                     table_index,
                     position,
                     shared,
+                    read_only: position < table.read_only_pages(),
                 });
             }
         }
@@ -661,7 +763,7 @@ impl<'p> PageView<'p> {
     /// Tokens held by the leading shared (read-only) pages: positions a step may read but
     /// never write.
     pub fn shared_tokens(&self) -> usize {
-        self.shared * self.layout.page_size_tokens
+        self.read_only * self.layout.page_size_tokens
     }
 
     /// The slots of one (layer, kind, kv_head) in page number `page_index` of this table
@@ -694,7 +796,7 @@ impl<'p> PageView<'p> {
     pub fn page(&self, page_index: usize) -> &[f16] {
         match &self.pages[page_index] {
             Page::Private { data, .. } => data,
-            Page::Shared { data } => data,
+            Page::ReadOnly { data } => data,
         }
     }
 
@@ -702,8 +804,8 @@ impl<'p> PageView<'p> {
     pub fn page_mut(&mut self, page_index: usize) -> &mut [f16] {
         match &mut self.pages[page_index] {
             Page::Private { data, .. } => data,
-            Page::Shared { .. } => {
-                panic!("page {page_index} of this table is a shared prefix-cache page: read-only")
+            Page::ReadOnly { .. } => {
+                panic!("page {page_index} of this table is read-only (shared or frozen)")
             }
         }
     }
@@ -717,7 +819,7 @@ impl<'p> PageView<'p> {
         for page in &self.pages {
             let page_written = match page {
                 Page::Private { written_tokens, .. } => **written_tokens,
-                Page::Shared { .. } => page_size,
+                Page::ReadOnly { .. } => page_size,
             };
             written += page_written;
             if page_written < page_size {

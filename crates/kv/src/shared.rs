@@ -27,6 +27,7 @@ impl PagePool {
             owner,
             pages: shared.to_vec(),
             shared: shared.len(),
+            frozen: 0,
         };
         if prefix.tenant() != owner.tenant && !self.owner_check_skipped() {
             // Unreachable through the engine (the prefix came from a lookup under the
@@ -53,6 +54,7 @@ impl PagePool {
             owner,
             pages: Vec::new(),
             shared: 0,
+            frozen: 0,
         };
         self.extend(&mut own_pages, own * self.layout.page_size_tokens)
             .expect("enough free pages, checked above");

@@ -237,7 +237,7 @@ fn a_late_frame_never_lands_in_the_next_reservation() {
                             assert!(stale_refusal(&error), "unexpected {error:?}");
                             SEEN.note(1);
                         }
-                    }
+                    };
                 }
             })
         };

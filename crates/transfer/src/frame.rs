@@ -7,6 +7,7 @@
 //! so a hostile peer can make the decoder return an error but never panic or allocate more
 //! than [`MAX_FRAME_BYTES`].
 
+use crate::PageBytes;
 use kv::{Partition, RequestId, TenantId};
 
 /// Version of this encoding and of the transfer protocol; a peer with another version is
@@ -381,7 +382,7 @@ pub enum Frame {
         request: RequestId,
         tenant: TenantId,
         index: u32,
-        bytes: Vec<u8>,
+        bytes: PageBytes,
     },
     Done(TransferDone),
     TransferAbort {
@@ -456,6 +457,35 @@ impl Frame {
         w.0
     }
 
+    /// [`Frame::encode_prefixed`] in two parts: the length prefix and every field but a page's
+    /// bytes, then the page's bytes themselves (`None` for other frames), to be written
+    /// together without copying the page (a vectored write).
+    pub fn encode_prefixed_split(&self) -> (Vec<u8>, Option<&[u8]>) {
+        let Frame::Page {
+            transfer,
+            request,
+            tenant,
+            index,
+            bytes,
+        } = self
+        else {
+            return (self.encode_prefixed(), None);
+        };
+        let mut w = Writer(Vec::with_capacity(PAGE_FRAME_OVERHEAD_BYTES_MAX));
+        w.u32(0);
+        w.bytes(&MAGIC);
+        w.u16(PROTOCOL_VERSION);
+        w.u8(FrameKind::Page as u8);
+        w.u64(transfer.0);
+        w.u64(request.0);
+        w.u64(tenant.0);
+        w.u32(*index);
+        w.u32(bytes.len() as u32);
+        let body_len = (w.0.len() - 4 + bytes.len()) as u32;
+        w.0[..4].copy_from_slice(&body_len.to_le_bytes());
+        (w.0, Some(bytes))
+    }
+
     /// [`Frame::decode`] taking the body by value: a page's bytes are moved to the front of
     /// the body's own allocation instead of being copied into a new one.
     pub fn decode_owned(mut body: Vec<u8>) -> Result<Frame, DecodeError> {
@@ -464,7 +494,7 @@ impl Frame {
             let len = range.len();
             body.copy_within(range, 0);
             body.truncate(len);
-            *bytes = body;
+            *bytes = PageBytes::Owned(body);
         }
         Ok(frame)
     }
@@ -764,7 +794,7 @@ impl Frame {
                     request,
                     tenant,
                     index,
-                    bytes,
+                    bytes: PageBytes::Owned(bytes),
                 }
             }
             FrameKind::Done => Frame::Done(TransferDone {

@@ -14,6 +14,7 @@ mod checksum;
 mod frame;
 pub mod handshake;
 mod inbound;
+mod page_bytes;
 pub mod transport;
 
 pub use auth::ClusterSecret;
@@ -26,6 +27,7 @@ pub use frame::{
 };
 pub use handshake::{accept_handshake, connect_handshake, Expectation, HandshakeError};
 pub use inbound::Inbound;
+pub use page_bytes::PageBytes;
 
 #[cfg(test)]
 mod tests;

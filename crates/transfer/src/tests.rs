@@ -131,7 +131,15 @@ fn sample_frames() -> Vec<Frame> {
             request: RequestId(7),
             tenant: TenantId(3),
             index: 1,
-            bytes: vec![1, 2, 3, 4, 5],
+            bytes: vec![1, 2, 3, 4, 5].into(),
+        },
+        // The sender's form: the bytes lent from its pool, written without a copy.
+        Frame::Page {
+            transfer: TransferId(99),
+            request: RequestId(7),
+            tenant: TenantId(3),
+            index: 2,
+            bytes: crate::PageBytes::Lent(lent_page()),
         },
         Frame::Done(done),
         Frame::TransferAbort {
@@ -376,6 +384,44 @@ fn one_flipped_bit_fails_the_checksum() {
     );
 }
 
+/// A page of a real pool, filled with a pattern and lent, as a prefill worker sends it.
+fn lent_page() -> kv::LentPage {
+    let layout = kv::KvLayout {
+        layer_count: 2,
+        kv_head_count: 1,
+        head_dim: 8,
+        page_size_tokens: 4,
+    };
+    let mut pool = kv::PagePool::new(kv::PoolConfig {
+        layout,
+        size: kv::PoolSize::Tokens(8),
+        scrub_on_free: false,
+    })
+    .unwrap();
+    let owner = kv::Owner {
+        tenant: TenantId(3),
+        request: RequestId(7),
+    };
+    let table = pool.allocate(owner, 4).unwrap();
+    for (i, value) in pool.verify_batch(&[&table]).unwrap()[0]
+        .page_mut(0)
+        .iter_mut()
+        .enumerate()
+    {
+        *value = half::f16::from_f32(i as f32);
+    }
+    pool.lend(&table, 0..1).unwrap().pop().unwrap()
+}
+
+#[test]
+fn a_split_encoding_is_the_whole_encoding_in_two_parts() {
+    for frame in sample_frames() {
+        let (mut head, payload) = frame.encode_prefixed_split();
+        head.extend_from_slice(payload.unwrap_or_default());
+        assert_eq!(head, frame.encode_prefixed(), "{frame:?}");
+    }
+}
+
 async fn echo_over(transport: &dyn Transport, addr: &str) {
     let stream = transport.connect(addr).await.expect("connect");
     let mut link = spawn_link(stream, "test".into());
@@ -565,7 +611,7 @@ fn a_page_frame_adds_at_most_its_stated_overhead_to_the_page() {
         request: RequestId(u64::MAX),
         tenant: TenantId(u64::MAX),
         index: u32::MAX,
-        bytes: vec![0; page_bytes],
+        bytes: vec![0; page_bytes].into(),
     };
     let body = frame.encode().len() - 4;
     assert!(

@@ -70,14 +70,39 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     Ok(Some(Frame::decode_owned(body)?))
 }
 
-/// Writes one frame (length prefix and body).
+/// Writes one frame (length prefix and body). A page's bytes go to the stream from where
+/// they lie (lent from the pool, for a sender) in the same vectored write as its header.
 pub async fn write_frame<W: AsyncWrite + Unpin>(writer: &mut W, frame: &Frame) -> io::Result<()> {
-    let wire = frame.encode_prefixed();
+    let (head, payload) = frame.encode_prefixed_split();
+    let payload = payload.unwrap_or_default();
     assert!(
-        wire.len() - 4 <= MAX_FRAME_BYTES,
+        head.len() - 4 + payload.len() <= MAX_FRAME_BYTES,
         "we never build a frame our peer must refuse"
     );
-    writer.write_all(&wire).await
+    write_all_two(writer, &head, payload).await
+}
+
+/// Writes `first` then `second` with as few calls as the stream allows (a vectored write,
+/// where it has one: TCP does, the in-process pipe takes one buffer at a time).
+async fn write_all_two<W: AsyncWrite + Unpin>(
+    writer: &mut W,
+    mut first: &[u8],
+    mut second: &[u8],
+) -> io::Result<()> {
+    while !first.is_empty() {
+        let slices = [io::IoSlice::new(first), io::IoSlice::new(second)];
+        let written = writer.write_vectored(&slices).await?;
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        if written < first.len() {
+            first = &first[written..];
+        } else {
+            second = &second[written - first.len()..];
+            first = &[];
+        }
+    }
+    writer.write_all(second).await
 }
 
 /// A running link: send frames with `tx`, receive with `rx`. `rx` yields `None` once the

@@ -294,6 +294,8 @@ impl Engine {
     /// The rest of a turn: admission, timeouts as of `now` (read after admission, which
     /// stamps the reservations it makes), one forward step, the pool report.
     fn work(&mut self, now: impl FnOnce() -> Instant) {
+        // Pages released while a link's writer still sent them are free once it let go.
+        self.pool.reclaim_returned();
         self.admit_queued();
         self.expire(now());
         self.step();
@@ -384,7 +386,9 @@ impl Engine {
         let cache = self.cache.stats();
         let stats = Stats {
             pages_free: self.pool.pages_free() + self.pool.pages_reclaimable(),
-            pages_quarantined: self.pool.pages_in_state(PageState::Quarantined),
+            // Released pages a link's writer still reads count as quarantined until it is done.
+            pages_quarantined: self.pool.pages_in_state(PageState::Quarantined)
+                + self.pool.pages_returning(),
             queue_depth: self.queue.len(),
             ownership_failures: self.ownership_failures,
             frames_rejected: self.frames_rejected,

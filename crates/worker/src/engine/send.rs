@@ -10,9 +10,11 @@
 //! pages (I4).
 
 use super::{send_later, Engine, Key, LinkId, Phase, Stage};
-use kv::PageState;
+use kv::{LentPage, PageState};
 use std::time::Instant;
-use transfer::{Failure, Frame, Plan, Reject, Submit, TransferDone, TransferHasher, TransferId};
+use transfer::{
+    Failure, Frame, PageBytes, Plan, Reject, Submit, TransferDone, TransferHasher, TransferId,
+};
 
 /// A prefill's transfer while its prompt is being computed.
 pub(super) struct Stream {
@@ -83,18 +85,18 @@ impl Engine {
             return;
         };
         let complete = (*done / self.pool.layout().page_size_tokens).min(table.pages().len());
-        if complete <= stream.hasher.pages() as usize {
+        let from = stream.hasher.pages() as usize;
+        if complete <= from {
             return;
         }
-        let mut views = self
+        // Final pages: later chunks read them, never write them, so they can be lent to the
+        // link's writer while the prompt goes on.
+        table.freeze(complete);
+        let lent = self
             .pool
-            .verify_batch(&[table])
-            .expect("a request's own pages verify");
-        let view = views.pop().expect("one view per table");
-        let frames = page_frames(stream, complete, |index| {
-            bytemuck::cast_slice::<_, u8>(view.page(index)).to_vec()
-        });
-        drop(views);
+            .lend(table, from..complete)
+            .expect("a request's own pages lend");
+        let frames = page_frames(stream, from, lent);
         self.emit(key, frames, false);
     }
 
@@ -124,22 +126,27 @@ impl Engine {
         self.pool
             .set_state(table, PageState::Sealed)
             .expect("prefilled pages go Writing -> Sealed");
-        let mut views = self
-            .pool
-            .verify_batch(&[table])
-            .expect("a request's own pages verify");
-        let view = views.pop().expect("one view per table");
-        // A one-token prompt moves no KV at all: no pages, only `Done`.
-        let last = view.page_len().checked_sub(1);
         let token_count = stream.done.token_count as usize;
-        let mut frames = page_frames(stream, view.page_len(), |index| {
-            let mut bytes = bytemuck::cast_slice::<_, u8>(view.page(index)).to_vec();
-            if Some(index) == last && !*placeholder {
-                blank_unwritten_slots(&mut bytes, view.layout(), token_count);
-            }
-            bytes
-        });
-        drop(views);
+        let layout = *self.pool.layout();
+        let page_count = table.pages().len();
+        // (A one-token prompt moves no KV at all: no pages, only `Done`.)
+        if !token_count.is_multiple_of(layout.page_size_tokens) && page_count > 0 && !*placeholder {
+            // The last page is partial, private and not lent yet: its unused slots are
+            // blanked in place before it leaves.
+            let mut views = self
+                .pool
+                .verify_batch(&[table])
+                .expect("a request's own pages verify");
+            let last = views[0].page_mut(page_count - 1);
+            blank_unwritten_slots(bytemuck::cast_slice_mut(last), &layout, token_count);
+        }
+        let from = stream.hasher.pages() as usize;
+        table.freeze(page_count);
+        let lent = self
+            .pool
+            .lend(table, from..page_count)
+            .expect("a request's own pages lend");
+        let mut frames = page_frames(stream, from, lent);
         let mut done = stream.done;
         if !cfg!(feature = "unguarded-checksum") {
             done.checksum = stream.hasher.finish();
@@ -272,25 +279,20 @@ pub(super) fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, toke
     }
 }
 
-/// Hashes the transfer's pages from the first not yet hashed up to `upto` (exclusive), in
-/// index order, and returns frames for those decode does not hold. `bytes_of` gives a page's
-/// bytes as they are to be sent.
-fn page_frames(
-    stream: &mut Stream,
-    upto: usize,
-    mut bytes_of: impl FnMut(usize) -> Vec<u8>,
-) -> Vec<Frame> {
+/// Hashes the transfer's pages from `from` on, in index order (`lent` holds them), and
+/// returns frames for those decode does not hold: each carries its lent page, so the bytes
+/// go from the pool to the socket with no copy.
+fn page_frames(stream: &mut Stream, from: usize, lent: Vec<LentPage>) -> Vec<Frame> {
     let mut frames = Vec::new();
-    for index in stream.hasher.pages() as usize..upto {
-        let bytes = bytes_of(index);
-        stream.hasher.page(&bytes);
+    for (index, page) in (from..).zip(lent) {
+        stream.hasher.page(page.bytes());
         if index >= stream.decode_holds {
             frames.push(Frame::Page {
                 transfer: stream.done.transfer,
                 request: stream.done.request,
                 tenant: stream.done.tenant,
                 index: index as u32,
-                bytes,
+                bytes: PageBytes::Lent(page),
             });
         }
     }

@@ -203,3 +203,27 @@ fn a_one_token_prompt_sends_only_done() {
     prefill.turn();
     prefill.assert_idle();
 }
+
+#[test]
+fn sent_pages_are_lent_from_the_pool_and_reused_only_once_the_writer_lets_go() {
+    let (mut prefill, _router, mut peer) = chunked_prefill();
+    prefill.settle();
+    // Read the link as its writer would, without copying the bytes out.
+    let mut in_flight = Vec::new();
+    while let Ok(frame) = peer.rx.try_recv() {
+        if let Frame::Page { bytes, .. } = &frame {
+            assert!(matches!(bytes, transfer::PageBytes::Lent(_)), "{bytes:?}");
+        }
+        in_flight.push(frame);
+    }
+    assert_eq!(page_indexes(&in_flight), [0, 1, 2]);
+    // Decode's Ack comes while the writer still holds the frames: the pages are released but
+    // parked, counted with the quarantined ones, and not handed out.
+    prefill.frame(PEER, Frame::Ack { transfer: TRANSFER });
+    prefill.turn();
+    assert_eq!(prefill.engine.pool.pages_returning(), 3);
+    assert_eq!(prefill.pages_free(), prefill.pages_total() - 3);
+    drop(in_flight);
+    prefill.turn();
+    prefill.assert_idle();
+}

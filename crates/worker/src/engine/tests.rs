@@ -145,10 +145,16 @@ impl Worker {
 }
 
 impl Link {
-    /// Frames sent since the last call, pool reports left out.
+    /// Frames sent since the last call, pool reports left out. Lent page bytes are copied
+    /// out, as a link's writer puts them on the wire and lets the pages go.
     pub(super) fn frames(&mut self) -> Vec<Frame> {
         let mut frames = Vec::new();
-        while let Ok(frame) = self.rx.try_recv() {
+        while let Ok(mut frame) = self.rx.try_recv() {
+            if let Frame::Page { bytes, .. } = &mut frame {
+                *bytes = std::mem::replace(bytes, Vec::new().into())
+                    .into_owned()
+                    .into();
+            }
             if !matches!(frame, Frame::PoolStats { .. }) {
                 frames.push(frame);
             }
@@ -330,7 +336,7 @@ pub(super) fn split_transfer(sent: &[Frame]) -> (Vec<(u32, Vec<u8>)>, TransferDo
                     (*transfer, *request, *tenant),
                     (TRANSFER, RequestId(1), TENANT)
                 );
-                (*index, bytes.clone())
+                (*index, bytes.to_vec())
             }
             other => panic!("expected a page, got {other:?}"),
         })

@@ -159,7 +159,7 @@ fn honest(
             request,
             tenant: TENANT,
             index: index as u32,
-            bytes,
+            bytes: bytes.into(),
         })
         .collect();
     (frames, done)
