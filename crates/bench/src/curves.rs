@@ -11,11 +11,12 @@
 //!   run, the machine's memory-copy bandwidth (the physical limit of any copy) and xxh3's.
 
 use anyhow::{bail, Context, Result};
-use kv::{LentPage, Owner, PagePool, PageState, PoolConfig, PoolSize, RequestId, TenantId};
+use kv::{Owner, PagePool, PageState, PoolConfig, PoolSize, RequestId, TenantId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transfer::{transfer_checksum, Frame, Inbound, PageBytes, TransferDone, TransferId};
+use transfer::transport::{PageHeader, PageSink};
+use transfer::{Frame, Inbound, PageBytes, TransferDone, TransferHasher, TransferId};
 
 // ---- --sweep ---------------------------------------------------------------------------------
 
@@ -353,6 +354,80 @@ pub struct TransferReport {
     pub socket_gb_s: f64,
 }
 
+/// The benchmark receiver's one reservation at a time, landed by its link's reader as a
+/// decode worker's `Grants` does: bytes straight into the lent page, hashed there.
+#[derive(Default)]
+struct BenchSink {
+    state: std::sync::Mutex<Option<Reservation>>,
+}
+
+struct Reservation {
+    inbound: Inbound,
+    leases: Vec<Option<kv::LentPageMut>>,
+    hashes: Vec<Option<u64>>,
+    refused: Option<String>,
+}
+
+impl BenchSink {
+    fn open(&self, inbound: Inbound, leases: Vec<kv::LentPageMut>) {
+        let pages = inbound.page_count() as usize;
+        *self.state.lock().expect("bench sink lock") = Some(Reservation {
+            inbound,
+            leases: leases.into_iter().map(Some).collect(),
+            hashes: vec![None; pages],
+            refused: None,
+        });
+    }
+
+    /// The reservation's `Inbound` and page hashes; its leases go back to the pool.
+    fn close(&self) -> (Inbound, Vec<Option<u64>>) {
+        let reservation = self
+            .state
+            .lock()
+            .expect("bench sink lock")
+            .take()
+            .expect("a reservation is open");
+        (reservation.inbound, reservation.hashes)
+    }
+
+    fn refused(&self) -> Option<String> {
+        let state = self.state.lock().expect("bench sink lock");
+        state.as_ref().and_then(|r| r.refused.clone())
+    }
+}
+
+impl PageSink for BenchSink {
+    fn claim(&self, header: &PageHeader) -> Option<kv::LentPageMut> {
+        let mut state = self.state.lock().expect("bench sink lock");
+        let reservation = state.as_mut()?;
+        let accepted = reservation.inbound.accept_page(
+            header.request,
+            header.tenant,
+            header.index,
+            header.len,
+        );
+        match accepted {
+            Ok(index) => reservation.leases[index].take(),
+            Err(reject) => {
+                reservation.refused = Some(format!("page refused: {reject:?}"));
+                None
+            }
+        }
+    }
+
+    fn landed(&self, header: &PageHeader, page: kv::LentPageMut) {
+        let hash = transfer::page_hash(page.bytes());
+        let mut state = self.state.lock().expect("bench sink lock");
+        if let Some(reservation) = state.as_mut() {
+            let index = header.index as usize;
+            reservation.hashes[index] = Some(hash);
+            reservation.leases[index] = Some(page);
+        }
+    }
+
+    fn closing(&self, _done: &TransferDone) {}
+}
+
 /// What the receiving thread is told to expect.
 pub(crate) struct Expect {
     pub(crate) transfer: TransferId,
@@ -393,6 +468,9 @@ pub fn transfer_sweep(
         .worker_threads(2)
         .enable_all()
         .build()?;
+    // The receiver lands pages as a decode worker's prefill link does: its reader reads each
+    // page's bytes straight into the reserved page and hashes it there.
+    let sink = Arc::new(BenchSink::default());
     let (sender_link, receiver_link) = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -402,7 +480,12 @@ pub fn transfer_sweep(
         connected.set_nodelay(true)?;
         accepted.set_nodelay(true)?;
         let sender = transfer::transport::spawn_link(Box::new(connected), "bench-prefill".into());
-        let receiver = transfer::transport::spawn_link(Box::new(accepted), "bench-decode".into());
+        let page_sink: Arc<dyn PageSink> = sink.clone();
+        let receiver = transfer::transport::spawn_link_with_sink(
+            Box::new(accepted),
+            "bench-decode".into(),
+            Some(page_sink),
+        );
         anyhow::Ok((sender, receiver))
     })?;
 
@@ -410,6 +493,7 @@ pub fn transfer_sweep(
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let (sealed_tx, sealed_rx) = std::sync::mpsc::channel::<Result<Instant, String>>();
     let mut receiver_rx = receiver_link.rx;
+    let receiver_sink = sink.clone();
     let receiver = std::thread::spawn(move || {
         let mut pool = receiver_pool;
         while let Ok(expect) = expect_rx.recv() {
@@ -418,7 +502,7 @@ pub fn transfer_sweep(
                 .expect("the receiving pool holds the largest transfer");
             pool.set_state(&table, PageState::Receiving)
                 .expect("fresh pages go Writing -> Receiving");
-            let mut inbound = Inbound::new(
+            let inbound = Inbound::new(
                 expect.transfer,
                 expect.owner.request,
                 expect.owner.tenant,
@@ -427,50 +511,40 @@ pub fn transfer_sweep(
                 page_bytes,
                 0,
             );
+            let leases = pool
+                .lend_for_receive(&table, 0..inbound.page_count() as usize)
+                .expect("a fresh reservation lends");
+            receiver_sink.open(inbound, leases);
             let _ = ready_tx.send(());
-            let verdict = loop {
-                match receiver_rx.blocking_recv() {
-                    Some(Frame::Page {
-                        request,
-                        tenant,
-                        index,
-                        bytes,
-                        ..
-                    }) => match inbound.accept_page(request, tenant, index, bytes.len()) {
-                        Ok(index) => {
-                            let mut view = pool
-                                .verify_receiving(&table)
-                                .expect("a reservation's own pages verify");
-                            let page: &mut [u8] = bytemuck::cast_slice_mut(view.page_mut(index));
-                            page.copy_from_slice(&bytes);
+            let verdict = match receiver_rx.blocking_recv() {
+                Some(Frame::Done(done)) => {
+                    let (inbound, hashes) = receiver_sink.close();
+                    let checked = inbound.check_done(&done).and_then(|()| {
+                        let mut root = TransferHasher::new(&done);
+                        for hash in &hashes {
+                            root.page_hash(hash.ok_or(transfer::Reject::MissingPage)?);
                         }
-                        Err(reject) => break Err(format!("page refused: {reject:?}")),
-                    },
-                    Some(Frame::Done(done)) => {
-                        let checked = inbound.check_done(&done).and_then(|()| {
-                            let view = pool
-                                .verify_receiving(&table)
-                                .expect("a reservation's own pages verify");
-                            let pages = (0..done.page_count as usize)
-                                .map(|i| bytemuck::cast_slice::<_, u8>(view.page(i)));
-                            inbound.verify_checksum(&done, transfer_checksum(&done, pages))
-                        });
-                        break match checked {
-                            Ok(()) => {
-                                pool.set_state(&table, PageState::Sealed)
-                                    .expect("verified pages go Receiving -> Sealed");
-                                Ok(Instant::now())
-                            }
-                            Err(reject) => Err(format!("transfer refused: {reject:?}")),
-                        };
+                        inbound.verify_checksum(&done, root.finish())
+                    });
+                    match checked {
+                        Ok(()) => {
+                            pool.set_state(&table, PageState::Sealed)
+                                .expect("verified pages go Receiving -> Sealed");
+                            Ok(Instant::now())
+                        }
+                        Err(reject) => Err(format!("transfer refused: {reject:?}")),
                     }
-                    Some(other) => break Err(format!("unexpected frame {other:?}")),
-                    None => break Err("the link closed".into()),
                 }
+                Some(other) => Err(format!("unexpected frame {other:?}")),
+                None => Err("the link closed".into()),
             };
+            if let Some(refused) = receiver_sink.refused() {
+                let _ = sealed_tx.send(Err(refused));
+            } else {
+                let _ = sealed_tx.send(verdict);
+            }
             pool.release(table)
                 .expect("the table is the receiver's own");
-            let _ = sealed_tx.send(verdict);
         }
     });
 
@@ -511,7 +585,8 @@ pub fn transfer_sweep(
             // the decode engine's accept, copy and checksum.
             let started = Instant::now();
             sender_pool.set_state(&table, PageState::Sealed)?;
-            // As the engine sends: pages lent from the pool, hashed in place, no copy.
+            // As the engine sends: pages lent from the pool, each hashed in place and then
+            // handed to the link's writer, which sends it while the next is hashed.
             let lent = sender_pool.lend(&table, 0..table.pages().len())?;
             let mut done = TransferDone {
                 transfer,
@@ -521,8 +596,9 @@ pub fn transfer_sweep(
                 token_count: count as u32,
                 checksum: 0,
             };
-            done.checksum = transfer_checksum(&done, lent.iter().map(LentPage::bytes));
+            let mut hasher = TransferHasher::new(&done);
             for (index, page) in lent.into_iter().enumerate() {
+                hasher.page(page.bytes());
                 sender_link
                     .tx
                     .send(Frame::Page {
@@ -535,6 +611,7 @@ pub fn transfer_sweep(
                     .ok()
                     .context("the sending link closed")?;
             }
+            done.checksum = hasher.finish();
             sender_link
                 .tx
                 .send(Frame::Done(done))

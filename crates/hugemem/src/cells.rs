@@ -81,6 +81,17 @@ impl<T> PageCells<T> {
         })
     }
 
+    /// [`PageCells::write`] that owns a reference to the cells (see [`PageCells::read_owned`]).
+    pub fn write_owned(self: &Arc<Self>, page: usize) -> Option<OwnedPageMut<T>> {
+        self.acquire_write(page).then(|| OwnedPageMut {
+            cells: self.clone(),
+            page,
+        })
+    }
+
+    // `then`, never `then_some`, below and above: a guard built for a borrow that was refused
+    // would release, on drop, a borrow it never took.
+
     fn acquire_read(&self, page: usize) -> bool {
         let count = &self.borrows[page];
         let mut seen = count.load(Ordering::Relaxed);
@@ -222,6 +233,50 @@ impl<T> Deref for OwnedPageRef<T> {
 impl<T> Drop for OwnedPageRef<T> {
     fn drop(&mut self) {
         self.cells.release_read(self.page);
+    }
+}
+
+/// The write guard of one page, owning a handle to its cells (see [`PageCells::write_owned`]):
+/// a socket reader on another thread writes a received page through it.
+pub struct OwnedPageMut<T> {
+    cells: Arc<PageCells<T>>,
+    page: usize,
+}
+
+impl<T> OwnedPageMut<T> {
+    pub fn page(&self) -> usize {
+        self.page
+    }
+}
+
+impl<T> Deref for OwnedPageMut<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: this guard holds the page's write borrow until it drops.
+        unsafe { self.cells.slice(self.page) }
+    }
+}
+
+impl<T> DerefMut for OwnedPageMut<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: the write borrow is this guard's, and `&mut self` makes the slice unique.
+        unsafe { self.cells.slice_mut(self.page) }
+    }
+}
+
+impl<T> Drop for OwnedPageMut<T> {
+    fn drop(&mut self) {
+        self.cells.release_write(self.page);
+    }
+}
+
+impl<T> std::fmt::Debug for OwnedPageMut<T> {
+    /// The page number only: the contents may be tenant data.
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("OwnedPageMut")
+            .field("page", &self.page)
+            .finish_non_exhaustive()
     }
 }
 

@@ -18,7 +18,7 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 mod cells;
-pub use cells::{OwnedPageRef, PageCells, PageMut, PageRef};
+pub use cells::{OwnedPageMut, OwnedPageRef, PageCells, PageMut, PageRef};
 
 /// The huge-page size asked for (x86-64's PMD size).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;

@@ -170,6 +170,23 @@ mod cells {
     }
 
     #[test]
+    fn an_owned_writer_fills_a_page_from_another_thread_and_excludes_everyone() {
+        let cells = Arc::new(PageCells::<u8>::zeroed(2, 8));
+        let mut lease = cells.write_owned(1).expect("a free page lends for writing");
+        assert!(cells.read(1).is_none() && cells.write_owned(1).is_none());
+        assert!(cells.read(0).is_some(), "other pages stay free");
+        let lease = std::thread::spawn(move || {
+            lease.copy_from_slice(b"received");
+            lease
+        })
+        .join()
+        .unwrap();
+        assert_eq!(lease.page(), 1);
+        drop(lease);
+        assert_eq!(&*cells.read(1).unwrap(), b"received");
+    }
+
+    #[test]
     fn concurrent_readers_and_writers_of_other_pages_never_collide() {
         let cells = Arc::new(PageCells::<u64>::zeroed(8, 64));
         let threads: Vec<_> = (0..4)

@@ -102,3 +102,41 @@ fn only_a_tables_own_readable_pages_lend() {
     ));
     pool.release(table).unwrap();
 }
+
+#[test]
+fn pages_lent_for_receive_give_no_view_until_returned() {
+    let mut pool = pool(2, false);
+    let table = pool
+        .allocate(owner(1, 1), 2 * LAYOUT.page_size_tokens)
+        .unwrap();
+    // Only a reservation's pages lend for receiving.
+    assert!(matches!(
+        pool.lend_for_receive(&table, 0..2),
+        Err(Error::PageNotReadable { .. })
+    ));
+    pool.set_state(&table, PageState::Receiving).unwrap();
+    let mut leases = pool.lend_for_receive(&table, 1..2).unwrap();
+    // A reader thread lands bytes; meanwhile the receiver cannot take a view to checksum.
+    assert!(matches!(
+        pool.verify_receiving(&table),
+        Err(Error::PageBusy { .. })
+    ));
+    let mut lease = leases.pop().unwrap();
+    let lease = std::thread::spawn(move || {
+        lease.bytes_mut().fill(0x3c);
+        lease
+    })
+    .join()
+    .unwrap();
+    drop(lease);
+    let view = pool.verify_receiving(&table).expect("every lease returned");
+    assert!(view.page(1).iter().all(|v| v.to_bits() == 0x3c3c));
+    drop(view);
+    // A reservation dropped while a lease is out: the page is parked, not reused.
+    let lease = pool.lend_for_receive(&table, 0..1).unwrap();
+    pool.release(table).unwrap();
+    assert_eq!(pool.pages_returning(), 1);
+    drop(lease);
+    assert_eq!(pool.reclaim_returned(), 1);
+    pool.check_invariants();
+}

@@ -29,7 +29,7 @@ mod pool;
 mod prefix;
 mod shared;
 
-pub use pool::{LentPage, PagePool, PageTable, PageView};
+pub use pool::{LentPage, LentPageMut, PagePool, PageTable, PageView};
 pub use prefix::{CachedPrefix, Partition, PrefixCache, PrefixStats};
 
 /// The value scrub-on-free writes into every element of a freed page.

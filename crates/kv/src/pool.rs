@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use half::f16;
-use hugemem::{OwnedPageRef, PageCells, PageMut, PageRef};
+use hugemem::{OwnedPageMut, OwnedPageRef, PageCells, PageMut, PageRef};
 
 use crate::{
     Error, Generation, Holder, KvKind, KvLayout, Owner, PageHeader, PageId, PageState, PoolConfig,
@@ -75,6 +75,27 @@ enum Page<'p> {
 pub struct LentPage(OwnedPageRef<f16>);
 
 impl LentPage {
+    pub fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+/// One `Receiving` page lent to a transport to land a transfer's bytes in: writable from any
+/// thread, and while it lives no view of the page exists (the receiver cannot checksum or read
+/// it) and no allocation hands it out.
+#[derive(Debug)]
+pub struct LentPageMut(OwnedPageMut<f16>);
+
+impl LentPageMut {
+    /// The page's size in bytes.
+    pub fn byte_len(&self) -> usize {
+        std::mem::size_of_val::<[f16]>(&self.0)
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(&mut self.0)
+    }
+
     pub fn bytes(&self) -> &[u8] {
         bytemuck::cast_slice(&self.0)
     }
@@ -405,6 +426,27 @@ impl PagePool {
     /// Released pages still lent to a transport (not yet reusable).
     pub fn pages_returning(&self) -> usize {
         self.returning.len()
+    }
+
+    /// Lends pages `range` of a verified table in `Receiving` for writing: a transport lands
+    /// received bytes straight in them. Until every [`LentPageMut`] is dropped the pages give
+    /// no view (so nothing checksums or reads a page a write may still land in) and a release
+    /// parks them.
+    pub fn lend_for_receive(
+        &self,
+        table: &PageTable,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<LentPageMut>> {
+        self.verify_tables(&[table], Access::Receive)?;
+        table.pages[range]
+            .iter()
+            .map(|&(page, _)| {
+                self.storage
+                    .write_owned(page.index())
+                    .map(LentPageMut)
+                    .ok_or(Error::PageBusy { page })
+            })
+            .collect()
     }
 
     /// Lends pages `range` of a verified table (`Writing`, `Sealed` or shared pages only) to

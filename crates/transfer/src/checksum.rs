@@ -1,13 +1,15 @@
-//! The transfer checksum: xxh3-64 over the transfer's header fields and then every page's
-//! bytes in page order. The receiver computes it over the bytes as they lie in its own pages,
-//! so it proves what decode will read, not just what crossed the wire.
+//! The transfer checksum: xxh3-64 over the transfer's header fields and then each page's own
+//! xxh3-64, in page order (per-page hashes under a root). The receiver computes it over the
+//! bytes as they lie in its own pages, so it proves what decode will read, not just what
+//! crossed the wire.
 //!
-//! The sender streams: it hashes each page as the prefill chunk that wrote it completes
-//! ([`TransferHasher`]), so the checksum is ready when the last page is, without a second pass
-//! over the prompt's pages.
+//! Per-page hashes let both sides hash while the transfer runs: the sender hashes each page
+//! as the prefill chunk that wrote it completes ([`TransferHasher`]), and decode's link reader
+//! hashes each page right after landing it, while it alone may write the page (its lease), so
+//! at `Done` only the root is left to compute.
 
 use crate::TransferDone;
-use xxhash_rust::xxh3::Xxh3;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 /// Checksum of a transfer whose header is `done` (its `checksum` field is not hashed) and
 /// whose pages are `pages`, in index order.
@@ -22,28 +24,38 @@ pub fn transfer_checksum<'a>(
     hasher.finish()
 }
 
+/// One page's hash, as the root folds it in.
+pub fn page_hash(page: &[u8]) -> u64 {
+    xxh3_64(page)
+}
+
 /// [`transfer_checksum`] one page at a time: the header when the transfer starts, then each
-/// page in index order as it becomes final.
+/// page (or its [`page_hash`]) in index order as it becomes final.
 pub struct TransferHasher {
-    hasher: Xxh3,
+    root: Xxh3,
     pages: u32,
 }
 
 impl TransferHasher {
     /// Starts the checksum of the transfer whose header is `done` (`checksum` not hashed).
     pub fn new(done: &TransferDone) -> TransferHasher {
-        let mut hasher = Xxh3::new();
-        hasher.update(&done.transfer.0.to_le_bytes());
-        hasher.update(&done.request.0.to_le_bytes());
-        hasher.update(&done.tenant.0.to_le_bytes());
-        hasher.update(&done.page_count.to_le_bytes());
-        hasher.update(&done.token_count.to_le_bytes());
-        TransferHasher { hasher, pages: 0 }
+        let mut root = Xxh3::new();
+        root.update(&done.transfer.0.to_le_bytes());
+        root.update(&done.request.0.to_le_bytes());
+        root.update(&done.tenant.0.to_le_bytes());
+        root.update(&done.page_count.to_le_bytes());
+        root.update(&done.token_count.to_le_bytes());
+        TransferHasher { root, pages: 0 }
     }
 
     /// Hashes the next page (pages must come in index order).
     pub fn page(&mut self, page: &[u8]) {
-        self.hasher.update(page);
+        self.page_hash(page_hash(page));
+    }
+
+    /// Folds in the next page's [`page_hash`], computed elsewhere.
+    pub fn page_hash(&mut self, hash: u64) {
+        self.root.update(&hash.to_le_bytes());
         self.pages += 1;
     }
 
@@ -53,6 +65,6 @@ impl TransferHasher {
     }
 
     pub fn finish(&self) -> u64 {
-        self.hasher.digest()
+        self.root.digest()
     }
 }

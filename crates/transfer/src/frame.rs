@@ -43,7 +43,7 @@ const _: () = assert!(crate::handshake::HANDSHAKE_FRAME_BYTES_MAX <= MAX_FRAME_B
 const _: () =
     assert!(32 * (30 * 3 * 64 * 2 * 2 * 16) + PAGE_FRAME_OVERHEAD_BYTES_MAX <= MAX_FRAME_BYTES);
 
-const MAGIC: [u8; 2] = *b"AL";
+pub(crate) const MAGIC: [u8; 2] = *b"AL";
 
 /// Names one transfer of one request's pages from a prefill worker to a decode worker.
 /// Chosen by the router, unique per router run; decode accepts pages only for a transfer it

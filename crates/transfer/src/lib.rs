@@ -18,7 +18,7 @@ mod page_bytes;
 pub mod transport;
 
 pub use auth::ClusterSecret;
-pub use checksum::{transfer_checksum, TransferHasher};
+pub use checksum::{page_hash, transfer_checksum, TransferHasher};
 pub use frame::{
     page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, Plan,
     PrefixCounters, Reject, Role, Sampling, Submit, TransferCounters, TransferDone, TransferId,

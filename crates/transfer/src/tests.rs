@@ -760,3 +760,179 @@ fn transfer_times_land_in_their_bucket() {
     assert_eq!(counters.buckets[five_ms], 1);
     assert_eq!(counters.buckets.iter().sum::<u64>(), 1);
 }
+
+/// A page sink over a pool's reservation: pages it holds a lease for land, the rest are
+/// refused; what happened is recorded.
+#[derive(Default)]
+struct RecordingSink {
+    leases: std::sync::Mutex<std::collections::HashMap<u32, kv::LentPageMut>>,
+    landed: std::sync::Mutex<Vec<u32>>,
+    refused: std::sync::Mutex<Vec<u32>>,
+    closed: std::sync::Mutex<Vec<TransferId>>,
+}
+
+impl crate::transport::PageSink for RecordingSink {
+    fn claim(&self, header: &crate::transport::PageHeader) -> Option<kv::LentPageMut> {
+        let page = self.leases.lock().unwrap().remove(&header.index);
+        if page.is_none() {
+            self.refused.lock().unwrap().push(header.index);
+        }
+        page
+    }
+
+    fn landed(&self, header: &crate::transport::PageHeader, _page: kv::LentPageMut) {
+        self.landed.lock().unwrap().push(header.index);
+    }
+
+    fn closing(&self, done: &TransferDone) {
+        self.closed.lock().unwrap().push(done.transfer);
+    }
+}
+
+#[tokio::test]
+async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses() {
+    let layout = kv::KvLayout {
+        layer_count: 2,
+        kv_head_count: 1,
+        head_dim: 8,
+        page_size_tokens: 4,
+    };
+    let page_bytes = layout.page_bytes();
+    let mut pool = kv::PagePool::new(kv::PoolConfig {
+        layout,
+        size: kv::PoolSize::Tokens(12),
+        scrub_on_free: false,
+    })
+    .unwrap();
+    let owner = kv::Owner {
+        tenant: TenantId(3),
+        request: RequestId(7),
+    };
+    let table = pool.allocate(owner, 12).unwrap();
+    pool.set_state(&table, kv::PageState::Receiving).unwrap();
+    let sink = std::sync::Arc::new(RecordingSink::default());
+    // Pages 0 and 1 are offered; page 2 is not (as a page decode holds, or a dropped one).
+    for (index, lease) in pool
+        .lend_for_receive(&table, 0..2)
+        .unwrap()
+        .into_iter()
+        .enumerate()
+    {
+        sink.leases.lock().unwrap().insert(index as u32, lease);
+    }
+    let (ours, theirs) = tokio::io::duplex(1 << 16);
+    let sender = spawn_link(Box::new(ours), "prefill".into());
+    let sink_handle: std::sync::Arc<dyn crate::transport::PageSink> = sink.clone();
+    let mut receiver = crate::transport::spawn_link_with_sink(
+        Box::new(theirs),
+        "decode".into(),
+        Some(sink_handle),
+    );
+    let page = |index: u32| Frame::Page {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        index,
+        bytes: vec![index as u8 + 1; page_bytes].into(),
+    };
+    let done = TransferDone {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        page_count: 3,
+        token_count: 12,
+        checksum: 5,
+    };
+    for frame in [page(0), page(2), page(1), Frame::Done(done)] {
+        sender.tx.send(frame).unwrap();
+    }
+    // Only `Done` comes out of the link: the pages went into the pool or were dropped.
+    assert_eq!(receiver.rx.recv().await, Some(Frame::Done(done)));
+    assert_eq!(*sink.landed.lock().unwrap(), [0, 1]);
+    assert_eq!(*sink.refused.lock().unwrap(), [2]);
+    assert_eq!(*sink.closed.lock().unwrap(), [TransferId(9)]);
+    let view = pool
+        .verify_receiving(&table)
+        .expect("every lease came back");
+    for index in 0..2 {
+        let bytes: &[u8] = bytemuck::cast_slice(view.page(index));
+        assert!(bytes.iter().all(|&b| b == index as u8 + 1), "page {index}");
+    }
+    let untouched: &[u8] = bytemuck::cast_slice(view.page(2));
+    assert!(
+        untouched.iter().all(|&b| b == 0),
+        "a refused page's bytes land nowhere"
+    );
+}
+
+/// A sink that lends nothing and records the headers it is asked about.
+#[derive(Default)]
+struct HeaderLog {
+    claims: std::sync::Mutex<Vec<crate::transport::PageHeader>>,
+}
+
+impl crate::transport::PageSink for HeaderLog {
+    fn claim(&self, header: &crate::transport::PageHeader) -> Option<kv::LentPageMut> {
+        self.claims.lock().unwrap().push(*header);
+        None
+    }
+    fn landed(&self, _: &crate::transport::PageHeader, _: kv::LentPageMut) {}
+    fn closing(&self, _: &TransferDone) {}
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// The reader's own page-header parser (the sink path) agrees with the decoder on hostile
+    /// bytes: a body it takes as a page frame decodes as exactly that page frame, any other
+    /// body is passed on as the decoder reads it, and nothing panics.
+    #[test]
+    fn the_sink_readers_page_header_agrees_with_the_decoder(
+        which in 0usize..20,
+        flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+    ) {
+        let frames = sample_frames();
+        let mut body = frames[which % frames.len()].encode();
+        for (at, value) in flips {
+            let at = at % body.len();
+            body[at] = value;
+        }
+        let mut wire = (body.len() as u32).to_le_bytes().to_vec();
+        wire.extend_from_slice(&body);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (forwarded, claims) = runtime.block_on(async {
+            use tokio::io::AsyncWriteExt;
+            let (mut ours, theirs) = tokio::io::duplex(1 << 20);
+            let log = std::sync::Arc::new(HeaderLog::default());
+            let sink: std::sync::Arc<dyn crate::transport::PageSink> = log.clone();
+            let mut link =
+                crate::transport::spawn_link_with_sink(Box::new(theirs), "fuzz".into(), Some(sink));
+            ours.write_all(&wire).await.unwrap();
+            ours.shutdown().await.unwrap();
+            let mut forwarded = Vec::new();
+            while let Some(frame) = link.rx.recv().await {
+                forwarded.push(frame);
+            }
+            let claims = log.claims.lock().unwrap().clone();
+            (forwarded, claims)
+        });
+        match Frame::decode(&body) {
+            Ok(Frame::Page { transfer, request, tenant, index, bytes }) => {
+                prop_assert!(forwarded.is_empty());
+                prop_assert_eq!(claims.len(), 1);
+                let header = claims[0];
+                prop_assert_eq!(
+                    (header.transfer, header.request, header.tenant, header.index, header.len),
+                    (transfer, request, tenant, index, bytes.len())
+                );
+            }
+            Ok(frame) => {
+                prop_assert!(claims.is_empty());
+                prop_assert_eq!(forwarded, vec![frame]);
+            }
+            Err(_) => {
+                prop_assert!(claims.is_empty() && forwarded.is_empty());
+            }
+        }
+    }
+}

@@ -5,7 +5,8 @@
 //! that breaks (EOF, I/O error, an undecodable frame) closes its inbound channel, which is how
 //! a worker learns that a peer is gone and that no more bytes can arrive from it.
 
-use crate::{DecodeError, Frame, MAX_FRAME_BYTES};
+use crate::{DecodeError, Frame, FrameKind, TransferDone, TransferId, MAX_FRAME_BYTES};
+use kv::{LentPageMut, RequestId, TenantId};
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
@@ -70,6 +71,125 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     Ok(Some(Frame::decode_owned(body)?))
 }
 
+/// A `Page` frame's fields, read before its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageHeader {
+    pub transfer: TransferId,
+    pub request: RequestId,
+    pub tenant: TenantId,
+    pub index: u32,
+    /// Bytes that follow.
+    pub len: usize,
+}
+
+/// Where a link's reader puts the bytes of the page frames it receives: the receiving
+/// worker's live reservations. The reader reads a page frame's header, asks for the page it
+/// may land in, and reads the bytes from the socket straight into it; no buffer holds them,
+/// and nothing of the engine runs per page.
+pub trait PageSink: Send + Sync + 'static {
+    /// The reserved page this frame's bytes go into, exactly `header.len` bytes long, or
+    /// `None` to read and drop them (the sink has recorded why).
+    fn claim(&self, header: &PageHeader) -> Option<LentPageMut>;
+    /// `page` holds the bytes of `header`'s frame.
+    fn landed(&self, header: &PageHeader, page: LentPageMut);
+    /// `done` arrived on this link, after every page frame before it landed: no byte of its
+    /// transfer may land once this returns. Called before the frame is passed on.
+    fn closing(&self, done: &TransferDone);
+}
+
+/// A page frame's body up to its bytes: magic, version, kind, transfer, request, tenant,
+/// index, byte count.
+const PAGE_HEAD_BYTES: usize = 2 + 2 + 1 + 8 + 8 + 8 + 4 + 4;
+
+/// Scratch for the bytes of a page frame no reservation takes: read and dropped in pieces.
+const DISCARD_CHUNK_BYTES: usize = 64 << 10;
+
+/// Reads one frame with `sink` taking page bytes: `Ok(Some(None))` for a page frame consumed
+/// (landed or dropped), `Ok(Some(Some(frame)))` for any other frame, `Ok(None)` at a clean end
+/// of stream. Memory per frame: a page lands where it belongs, a dropped one passes through
+/// 64 KiB of scratch, other frames are small.
+async fn read_frame_into<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    sink: &dyn PageSink,
+) -> Result<Option<Option<Frame>>, LinkError> {
+    let mut len_bytes = [0u8; 4];
+    match reader.read_exact(&mut len_bytes).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len_bytes) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(LinkError::FrameTooLarge { len });
+    }
+    let mut head = [0u8; PAGE_HEAD_BYTES];
+    let head_len = len.min(PAGE_HEAD_BYTES);
+    reader.read_exact(&mut head[..head_len]).await?;
+    let header = page_header(&head[..head_len], len);
+    let Some(header) = header else {
+        // Not a well-formed page frame: the whole body through the decoder, which says why.
+        let mut body = Vec::with_capacity(len);
+        body.extend_from_slice(&head[..head_len]);
+        let read = (&mut *reader)
+            .take((len - head_len) as u64)
+            .read_to_end(&mut body)
+            .await?;
+        if read < len - head_len {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+        }
+        let frame = Frame::decode_owned(body)?;
+        if let Frame::Done(done) = &frame {
+            sink.closing(done);
+        }
+        return Ok(Some(Some(frame)));
+    };
+    match sink.claim(&header) {
+        Some(mut page) if page.byte_len() == header.len => {
+            reader.read_exact(page.bytes_mut()).await?;
+            sink.landed(&header, page);
+        }
+        claimed => {
+            // A sink that hands out a page of the wrong size gets it back untouched.
+            if let Some(page) = claimed {
+                sink.landed(&header, page);
+            }
+            let mut scratch = vec![0u8; header.len.min(DISCARD_CHUNK_BYTES)];
+            let mut left = header.len;
+            while left > 0 {
+                let n = left.min(scratch.len());
+                reader.read_exact(&mut scratch[..n]).await?;
+                left -= n;
+            }
+        }
+    }
+    Ok(Some(None))
+}
+
+/// The header of a page frame whose body is `len` bytes and starts with `head`, if it is
+/// one of this protocol's and its byte count fills the rest of the body exactly.
+fn page_header(head: &[u8], len: usize) -> Option<PageHeader> {
+    if head.len() < PAGE_HEAD_BYTES
+        || head[..2] != crate::frame::MAGIC
+        || u16::from_le_bytes([head[2], head[3]]) != crate::PROTOCOL_VERSION
+        || head[4] != FrameKind::Page as u8
+    {
+        return None;
+    }
+    let u64_at = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().expect("8 bytes"));
+    let u32_at = |at: usize| u32::from_le_bytes(head[at..at + 4].try_into().expect("4 bytes"));
+    let bytes = u32_at(33) as usize;
+    if bytes != len - PAGE_HEAD_BYTES {
+        return None;
+    }
+    Some(PageHeader {
+        transfer: TransferId(u64_at(5)),
+        request: RequestId(u64_at(13)),
+        tenant: TenantId(u64_at(21)),
+        index: u32_at(29),
+        len: bytes,
+    })
+}
+
 /// Writes one frame (length prefix and body). A page's bytes go to the stream from where
 /// they lie (lent from the pool, for a sender) in the same vectored write as its header.
 pub async fn write_frame<W: AsyncWrite + Unpin>(writer: &mut W, frame: &Frame) -> io::Result<()> {
@@ -131,18 +251,35 @@ const INBOUND_FRAMES_MAX: usize = 256;
 
 /// Runs a link over `stream`. `name` labels log lines.
 pub fn spawn_link(stream: BoxStream, name: String) -> Link {
+    spawn_link_with_sink(stream, name, None)
+}
+
+/// [`spawn_link`] whose reader lands page frames' bytes through `sink` (a decode worker's
+/// link from a prefill worker) instead of passing them on as frames.
+pub fn spawn_link_with_sink(
+    stream: BoxStream,
+    name: String,
+    sink: Option<Arc<dyn PageSink>>,
+) -> Link {
     let (mut read_half, mut write_half) = tokio::io::split(stream);
     let (in_tx, in_rx) = mpsc::channel(INBOUND_FRAMES_MAX);
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Frame>();
     let reader_name = name.clone();
     let reader = tokio::spawn(async move {
         loop {
-            match read_frame(&mut read_half).await {
-                Ok(Some(frame)) => {
+            let read = match &sink {
+                Some(sink) => read_frame_into(&mut read_half, sink.as_ref()).await,
+                None => read_frame(&mut read_half)
+                    .await
+                    .map(|frame| frame.map(Some)),
+            };
+            match read {
+                Ok(Some(Some(frame))) => {
                     if in_tx.send(frame).await.is_err() {
                         return;
                     }
                 }
+                Ok(Some(None)) => {}
                 Ok(None) => return,
                 Err(error) => {
                     tracing::warn!(link = %reader_name, %error, "link closed");

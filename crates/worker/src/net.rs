@@ -1,7 +1,7 @@
 //! The worker's network side: accepts links, greets each with this worker's `Hello`, opens
 //! links to decode workers on a prefill's behalf, and turns all of it into engine events.
 
-use crate::engine::{Engine, Event, LinkId, LinkKind};
+use crate::engine::{Engine, Event, LinkId, LinkKind, PageSinks};
 use crate::refusals::{RefusalLog, HANDSHAKES_PENDING_MAX, REFUSAL_LOG_INTERVAL};
 use crate::WorkerConfig;
 use gguf::Tokenizer;
@@ -16,7 +16,7 @@ use tokio::net::TcpListener;
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
-use transfer::transport::{spawn_link, BoxStream, Link, Transport};
+use transfer::transport::{spawn_link, spawn_link_with_sink, BoxStream, Link, Transport};
 use transfer::{
     accept_handshake, connect_handshake, ClusterSecret, Expectation, Failure, Frame,
     HandshakeError, PeerRole, Plan, Role, WorkerInfo,
@@ -108,6 +108,7 @@ pub fn start_worker(
     };
     let (events, events_rx) = mpsc::channel();
     let engine = Engine::new(config, Box::new(model), tokenizer, pool);
+    let page_sinks = engine.page_sinks();
     let thread_name = format!("engine-{}", info.name);
     let engine = std::thread::Builder::new()
         .name(thread_name)
@@ -126,6 +127,7 @@ pub fn start_worker(
         transport,
         secret,
         peers: AsyncMutex::new(HashMap::new()),
+        page_sinks,
         refusal_log: RefusalLog::new(REFUSAL_LOG_INTERVAL),
     });
     let handshakes = Arc::new(Semaphore::new(HANDSHAKES_PENDING_MAX));
@@ -165,6 +167,8 @@ struct Shared {
     secret: ClusterSecret,
     /// Open links to decode workers, by address.
     peers: AsyncMutex<HashMap<String, LinkId>>,
+    /// Land the page frames of prefill workers' links straight in reserved pages.
+    page_sinks: PageSinks,
     refusal_log: RefusalLog,
 }
 
@@ -197,8 +201,10 @@ impl Shared {
                 return;
             }
         };
-        let mut link = spawn_link(stream, format!("{}-in", self.info.name));
         let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
+        let sink = (kind == LinkKind::PrefillPeer)
+            .then(|| self.page_sinks.for_link(id, self.events.clone()));
+        let mut link = spawn_link_with_sink(stream, format!("{}-in", self.info.name), sink);
         let up = Event::LinkUp {
             link: id,
             kind,

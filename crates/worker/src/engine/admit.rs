@@ -175,19 +175,28 @@ impl Engine {
                         .expect("fresh pages go Writing -> Receiving");
                     self.inbound.insert(transfer, key);
                     let layout = self.pool.layout();
+                    let inbound = Inbound::new(
+                        transfer,
+                        request.submit.request,
+                        request.submit.tenant,
+                        (prompt_tokens - 1) as u32,
+                        layout.page_size_tokens as u32,
+                        layout.page_bytes(),
+                        table.shared_pages() as u32,
+                    );
+                    // The pages the transfer fills are lent to its reservation: the link's
+                    // reader writes them, and nothing else can until it is closed or dropped.
+                    let leases = self
+                        .pool
+                        .lend_for_receive(
+                            &table,
+                            inbound.held_pages() as usize..inbound.page_count() as usize,
+                        )
+                        .expect("a fresh reservation's own pages lend");
+                    self.grants.open(inbound, leases);
                     Stage::Receiving {
-                        inbound: Inbound::new(
-                            transfer,
-                            request.submit.request,
-                            request.submit.tenant,
-                            (prompt_tokens - 1) as u32,
-                            layout.page_size_tokens as u32,
-                            layout.page_bytes(),
-                            table.shared_pages() as u32,
-                        ),
-                        sender: None,
+                        transfer,
                         since: Instant::now(),
-                        first_frame: None,
                     }
                 }
             };

@@ -56,15 +56,18 @@ impl Engine {
                 Phase::Admitted { stage, .. } => stage,
             };
             match stage {
-                // Until the first frame arrives, the prefill may still be queued for pages.
-                Stage::Receiving { since, sender, .. }
-                    if now - *since
-                        > match sender {
-                            None => queue_timeout + transfer_timeout,
-                            Some(_) => transfer_timeout,
-                        } =>
-                {
-                    expired.push((*key, Failure::TransferTimeout))
+                // Until the first frame arrives the prefill may still be queued for pages;
+                // then the clock runs from the latest frame (prefill streams pages as its
+                // chunks complete them, so silence, not the prompt's length, is what times
+                // out).
+                Stage::Receiving { transfer, since } => {
+                    let deadline = match self.grants.activity(*transfer) {
+                        (Some(_), Some(last_frame)) => last_frame + transfer_timeout,
+                        _ => *since + queue_timeout + transfer_timeout,
+                    };
+                    if now > deadline {
+                        expired.push((*key, Failure::TransferTimeout))
+                    }
                 }
                 Stage::Sending {
                     since,
@@ -110,13 +113,13 @@ impl Engine {
             .filter(|(key, request)| match entry.kind {
                 LinkKind::Router => key.0 == link,
                 LinkKind::DecodePeer => request.peer == Some(link),
-                LinkKind::PrefillPeer => matches!(
-                    request.phase,
+                LinkKind::PrefillPeer => match request.phase {
                     Phase::Admitted {
-                        stage: Stage::Receiving { sender: Some(s), .. },
+                        stage: Stage::Receiving { transfer, .. },
                         ..
-                    } if s == link
-                ),
+                    } => self.grants.activity(transfer).0 == Some(link),
+                    _ => false,
+                },
             })
             .map(|(key, _)| *key)
             .collect();
@@ -162,8 +165,11 @@ impl Engine {
             return;
         };
         match stage {
-            Stage::Receiving { inbound, .. } => {
-                self.inbound.remove(&inbound.transfer);
+            Stage::Receiving { transfer, .. } => {
+                self.inbound.remove(&transfer);
+                // Leases go back (one a reader is writing into, when its write ends; the
+                // page is parked until then).
+                self.grants.revoke(transfer);
             }
             Stage::Sending { transfer, .. } => {
                 self.outbound.remove(&transfer);

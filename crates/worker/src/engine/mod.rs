@@ -29,6 +29,8 @@
 
 mod admit;
 mod end;
+mod grants;
+pub(crate) use grants::PageSinks;
 mod receive;
 mod reuse;
 #[cfg(test)]
@@ -46,10 +48,10 @@ use kv::{Owner, PagePool, PageState, PageTable, PrefixCache, RequestId};
 use model::{Forward, Sampler, StopMatcher};
 use std::collections::{HashMap, VecDeque};
 use std::ops::ControlFlow;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{Failure, Frame, Inbound, PrefixCounters, Submit, TransferCounters, TransferId};
+use transfer::{Failure, Frame, PrefixCounters, Submit, TransferCounters, TransferId};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -84,6 +86,13 @@ pub enum Event {
         link: LinkId,
         submit: Submit,
         peer: LinkId,
+    },
+    /// A page frame a link's reader did not land: no live reservation of its transfer takes
+    /// frames from that link (`reject` is `None`), or the reservation's checks refused it.
+    PageRefused {
+        link: LinkId,
+        transfer: TransferId,
+        reject: Option<transfer::Reject>,
     },
     /// A peer failed cluster authentication (counted, exported).
     AuthFailure,
@@ -133,18 +142,13 @@ enum Stage {
         /// hasher's state is large, and most stages are not streams).
         stream: Option<Box<send::Stream>>,
     },
-    /// Decode: pages reserved, waiting for the transfer.
+    /// Decode: pages reserved and lent to the transfer's reservation in [`grants::Grants`]
+    /// (its `Inbound`, its sender link and its frames' times live there, where the link's
+    /// reader checks and lands each page).
     Receiving {
-        inbound: Inbound,
-        /// The link the first frame came on; later frames must come on it too.
-        sender: Option<LinkId>,
-        /// When the reservation was made, then when the last frame came: prefill streams
-        /// pages as its chunks complete them, so the timeout is on silence, not on the whole
-        /// prompt's prefill.
+        transfer: TransferId,
+        /// When the reservation was made.
         since: Instant,
-        /// When the first frame came: the transfer's time, for `/metrics`, runs from here to
-        /// the verified seal.
-        first_frame: Option<Instant>,
     },
     /// Prefill: pages sent on `peer`, held until the receiver answers.
     Sending {
@@ -193,6 +197,8 @@ pub struct Engine {
     pool: PagePool,
     /// Full prompt pages this worker keeps for reuse, per tenant (I10); see `admit`.
     cache: PrefixCache,
+    /// Decode's open reservations, shared with the readers of its prefill links.
+    grants: Arc<grants::Grants>,
     /// Prompt tokens this worker computed K/V for (not taken from the cache).
     prefilled_tokens: u64,
     /// Page frames sent to decode workers, and pages not sent because decode held them.
@@ -234,6 +240,7 @@ impl Engine {
             tokenizer,
             pool,
             cache,
+            grants: Arc::default(),
             prefilled_tokens: 0,
             pages_sent: 0,
             pages_not_sent: 0,
@@ -248,6 +255,15 @@ impl Engine {
             frames_rejected: 0,
             auth_failures: 0,
             last_stats: None,
+        }
+    }
+
+    /// What makes the page sinks of this engine's prefill links (see [`PageSinks`]); taken
+    /// before the engine moves to its thread.
+    pub(crate) fn page_sinks(&self) -> PageSinks {
+        PageSinks {
+            grants: self.grants.clone(),
+            faults: self.config.faults.clone(),
         }
     }
 
@@ -323,6 +339,11 @@ impl Engine {
             Event::LinkDown { link } => self.link_down(link),
             Event::Frame { link, frame } => self.frame(link, frame),
             Event::SubmitToPeer { link, submit, peer } => self.submit(link, submit, Some(peer)),
+            Event::PageRefused {
+                link,
+                transfer,
+                reject,
+            } => self.page_refused(link, transfer, reject),
             Event::AuthFailure => self.auth_failures += 1,
             Event::Shutdown => {}
         }

@@ -1,43 +1,18 @@
-//! Decode's side of a transfer: page frames land only in a live reservation, and `Done` seals
-//! the pages only once counts and checksum agree (I4); anything else is refused.
+//! Decode's side of a transfer: page bytes land only in a live reservation (through
+//! [`Grants`](super::grants::Grants), from the link's reader or, for frames that reach the
+//! engine as events, from here), and `Done` seals the pages only once counts and checksum
+//! agree (I4); anything else is refused.
 
+use super::grants::Claim;
 use super::{DecodeState, Engine, Key, LinkId, Phase, Request, Stage};
-use kv::{PageState, PageTable, RequestId};
+use kv::{PageState, RequestId};
 use std::time::Instant;
-use transfer::{transfer_checksum, Failure, Frame, Inbound, Reject, TransferDone, TransferId};
+use transfer::transport::PageHeader;
+use transfer::{Failure, Frame, Reject, TransferDone, TransferHasher, TransferId};
 
 impl Engine {
-    /// The request whose reservation `transfer` is, if `link` may send to it: the first frame
-    /// binds the transfer to its link, and starts the transfer's clock.
-    fn receiving(&mut self, link: LinkId, transfer: TransferId) -> Option<Key> {
-        let key = *self.inbound.get(&transfer)?;
-        let request = self.requests.get_mut(&key)?;
-        let Phase::Admitted {
-            stage:
-                Stage::Receiving {
-                    sender,
-                    since,
-                    first_frame,
-                    ..
-                },
-            ..
-        } = &mut request.phase
-        else {
-            return None;
-        };
-        match sender {
-            None => *sender = Some(link),
-            Some(first) if *first != link => return None,
-            Some(_) => {}
-        }
-        // The transfer's clock runs from its latest frame: before the first the prefill may
-        // have been queued for pages, and between frames it is computing the next chunk.
-        let now = Instant::now();
-        *since = now;
-        first_frame.get_or_insert(now);
-        Some(key)
-    }
-
+    /// A page frame that reached the engine as an event (in-process tests; a link without a
+    /// reader that lands pages): the same claim as a reader's, then a copy.
     pub(super) fn page(
         &mut self,
         link: LinkId,
@@ -47,33 +22,45 @@ impl Engine {
         index: u32,
         bytes: &[u8],
     ) {
-        let Some(key) = self.receiving(link, transfer) else {
-            self.frames_rejected += 1;
-            return;
+        let header = PageHeader {
+            transfer,
+            request,
+            tenant,
+            index,
+            len: bytes.len(),
         };
-        // receiving() found the reservation: this let only names its parts.
-        let Some((table, inbound)) = self.requests.get_mut(&key).and_then(Request::reservation)
-        else {
-            return;
-        };
-        match inbound.accept_page(request, tenant, index, bytes.len()) {
-            Ok(index) => {
-                if self.config.faults.crash_on_page(index) {
+        match self.grants.claim(link, &header) {
+            Claim::Land(mut page) => {
+                if self.config.faults.crash_on_page(index as usize) {
                     crate::faults::crash("on a transfer's page");
                 }
-                let mut view = self
-                    .pool
-                    .verify_receiving(table)
-                    .expect("a reservation's own pages verify");
-                let page: &mut [u8] = bytemuck::cast_slice_mut(view.page_mut(index));
-                page.copy_from_slice(bytes);
+                page.bytes_mut().copy_from_slice(bytes);
+                self.grants.landed(transfer, index, page);
             }
-            Err(reject) => self.reject(link, key, transfer, reject),
+            Claim::Unknown => self.page_refused(link, transfer, None),
+            Claim::Refused(reject) => self.page_refused(link, transfer, Some(reject)),
+        }
+    }
+
+    /// A page frame no reservation took: counted; one the reservation's checks refused fails
+    /// its transfer.
+    pub(super) fn page_refused(
+        &mut self,
+        link: LinkId,
+        transfer: TransferId,
+        reject: Option<Reject>,
+    ) {
+        let key = self.inbound.get(&transfer).copied();
+        match (key, reject) {
+            (Some(key), Some(reject)) => self.reject(link, key, transfer, reject),
+            _ => self.frames_rejected += 1,
         }
     }
 
     pub(super) fn done(&mut self, link: LinkId, done: TransferDone) {
-        let Some(key) = self.receiving(link, done.transfer) else {
+        let key = self.inbound.get(&done.transfer).copied();
+        let closed = key.and_then(|_| self.grants.close(link, done.transfer));
+        let (Some(key), Some(closed)) = (key, closed) else {
             self.frames_rejected += 1;
             self.send(
                 link,
@@ -84,23 +71,15 @@ impl Engine {
             );
             return;
         };
-        // receiving() found the reservation: these lets only name its parts.
+        let inbound = closed.inbound;
+        // The reservation is closed: every lease is back, so its pages verify for reading.
         let Some(Request {
-            phase: Phase::Admitted { table, stage },
+            phase: Phase::Admitted { table, .. },
             ..
         }) = self.requests.get_mut(&key)
         else {
             return;
         };
-        let Stage::Receiving {
-            inbound,
-            first_frame,
-            ..
-        } = stage
-        else {
-            return;
-        };
-        let first_frame = first_frame.unwrap_or_else(Instant::now);
         let verified = self.config.faults.transfer_verified();
         let verdict = inbound.check_done(&done).or_else(|reject| {
             // Fault injection only: the guard is off, so the sender's word is taken.
@@ -111,15 +90,27 @@ impl Engine {
             }
         });
         let verdict = verdict.and_then(|()| {
-            let view = self
-                .pool
-                .verify_receiving(table)
-                .expect("a reservation's own pages verify");
-            let pages = (0..done.page_count as usize).map(|i| bytemuck::cast_slice(view.page(i)));
             if cfg!(feature = "unguarded-checksum") || !verified {
                 return Ok(());
             }
-            inbound.verify_checksum(&done, transfer_checksum(&done, pages))
+            // Over every page decode will read: the ones it holds hashed now, the received
+            // ones as their bytes landed (check_done proved the counts match).
+            let view = self
+                .pool
+                .verify_receiving(table)
+                .expect("a closed reservation's own pages verify");
+            let mut root = TransferHasher::new(&done);
+            for (index, landed) in closed.hashes.iter().enumerate() {
+                match landed {
+                    Some(hash) => root.page_hash(*hash),
+                    None if index < inbound.held_pages() as usize => {
+                        root.page(bytemuck::cast_slice(view.page(index)))
+                    }
+                    // A page whose frame was cut short: nothing proves its bytes.
+                    None => return Err(Reject::ChecksumMismatch),
+                }
+            }
+            inbound.verify_checksum(&done, root.finish())
         });
         if let Err(reject) = verdict {
             self.reject(link, key, done.transfer, reject);
@@ -132,7 +123,7 @@ impl Engine {
         let received_pages = (done.page_count - inbound.held_pages()) as u64;
         self.transfer_counters.observe(
             received_pages * self.pool.layout().page_bytes() as u64,
-            first_frame.elapsed(),
+            closed.first_frame.unwrap_or_else(Instant::now).elapsed(),
         );
         let written = (done.token_count as usize).min(table.capacity_tokens(self.pool.layout()));
         self.pool
@@ -174,23 +165,12 @@ impl Engine {
     }
 
     pub(super) fn transfer_aborted(&mut self, link: LinkId, transfer: TransferId) {
-        if let Some(key) = self.receiving(link, transfer) {
+        let key = self.inbound.get(&transfer).copied();
+        let (sender, _) = self.grants.activity(transfer);
+        if let Some(key) = key.filter(|_| sender.is_none() || sender == Some(link)) {
             let message = "the prefill worker aborted the transfer".to_string();
             self.end(key, Err((Failure::Aborted, message)));
         }
         self.answer(link, Frame::AbortAck { transfer });
-    }
-}
-
-impl Request {
-    /// A receiving request's reserved pages and the transfer that may fill them.
-    fn reservation(&mut self) -> Option<(&PageTable, &mut Inbound)> {
-        match &mut self.phase {
-            Phase::Admitted {
-                table,
-                stage: Stage::Receiving { inbound, .. },
-            } => Some((table, inbound)),
-            _ => None,
-        }
     }
 }
