@@ -136,7 +136,7 @@ pub(crate) fn print_transfer_table(report: &TransferReport, results: &[TargetRes
     println!(
         "\nKV transfer over loopback TCP, in process: {} layers × {} kv heads × {} dims, f16, \
          {} tokens per page ({} bytes); timed from packing to the receiver's verified seal\n\
-         memcpy {:.2} GB/s, xxh3 {:.2} GB/s, loopback socket copy {:.2} GB/s (best of 5 over \
+         memcpy {:.2} GB/s, page hash (XXH3) {:.2} GB/s, loopback socket copy {:.2} GB/s (best of 5 over \
          256 MiB, same run)\n",
         layout.layer_count,
         layout.kv_head_count,

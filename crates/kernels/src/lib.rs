@@ -22,6 +22,7 @@ mod scalar;
 mod sync;
 mod vnni;
 mod workers;
+mod xxh3;
 
 pub use attention::KvHeadAttention;
 pub use backend::Backend;
@@ -33,6 +34,7 @@ pub use ops::{
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::Workers;
+pub use xxh3::{xxh3_64_long, xxh3_64_long_scalar, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};
 
 /// Errors from building kernels' data structures out of untrusted bytes.
 #[derive(Debug, thiserror::Error)]

@@ -1,5 +1,5 @@
 //! The transfer checksum: xxh3-64 over the transfer's header fields and then each page's own
-//! xxh3-64, in page order (per-page hashes under a root). The receiver computes it over the
+//! XXH3-64 (under a fixed secret, [`page_hash`]), in page order: per-page hashes under a root. The receiver computes it over the
 //! bytes as they lie in its own pages, so it proves what decode will read, not just what
 //! crossed the wire.
 //!
@@ -9,7 +9,8 @@
 //! at `Done` only the root is left to compute.
 
 use crate::TransferDone;
-use xxhash_rust::xxh3::{xxh3_64, Xxh3};
+use kernels::{xxh3_64_long, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};
+use xxhash_rust::xxh3::{xxh3_64_with_secret, Xxh3};
 
 /// Checksum of a transfer whose header is `done` (its `checksum` field is not hashed) and
 /// whose pages are `pages`, in index order.
@@ -24,9 +25,39 @@ pub fn transfer_checksum<'a>(
     hasher.finish()
 }
 
-/// One page's hash, as the root folds it in.
+/// One page's hash, as the root folds it in: XXH3-64 under [`PAGE_SECRET`]. A KV page is long
+/// (368,640 bytes for the default model), which takes the run-time dispatched SIMD kernel.
 pub fn page_hash(page: &[u8]) -> u64 {
-    xxh3_64(page)
+    if page.len() > XXH3_SHORT_MAX {
+        xxh3_64_long(page, &PAGE_SECRET)
+    } else {
+        xxh3_64_with_secret(page, &PAGE_SECRET)
+    }
+}
+
+/// The page hashes' secret: 192 bytes of SplitMix64 from a fixed seed. Any fixed,
+/// random-looking secret serves (XXH3's requirement); both sides of a transfer use this one.
+pub const PAGE_SECRET: [u8; XXH3_SECRET_BYTES] = page_secret();
+
+const fn page_secret() -> [u8; XXH3_SECRET_BYTES] {
+    let mut secret = [0u8; XXH3_SECRET_BYTES];
+    let mut state: u64 = u64::from_le_bytes(*b"AIRLOCK&");
+    let mut word = 0;
+    while word < XXH3_SECRET_BYTES / 8 {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let bytes = z.to_le_bytes();
+        let mut byte = 0;
+        while byte < 8 {
+            secret[word * 8 + byte] = bytes[byte];
+            byte += 1;
+        }
+        word += 1;
+    }
+    secret
 }
 
 /// [`transfer_checksum`] one page at a time: the header when the transfer starts, then each

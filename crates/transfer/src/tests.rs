@@ -936,3 +936,17 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn page_hashes_are_xxh3_under_the_page_secret_at_every_length() {
+    let data: Vec<u8> = (0..400_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for len in [0, 1, 16, 128, 240, 241, 256, 1024, 368_640] {
+        assert_eq!(
+            crate::page_hash(&data[..len]),
+            xxhash_rust::xxh3::xxh3_64_with_secret(&data[..len], &crate::checksum::PAGE_SECRET),
+            "{len}"
+        );
+    }
+}
