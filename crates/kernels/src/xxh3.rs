@@ -3,8 +3,8 @@
 //! speed the transfer itself should run.
 //!
 //! Why here: `xxhash-rust` chooses its SIMD at compile time, and the workspace builds for
-//! baseline x86-64, so its XXH3 runs on SSE2 (6.8 GB/s on the 2-core VM, slower than the
-//! loopback socket the pages cross). This is the same function, chosen at run time like every
+//! baseline x86-64, so its XXH3 runs on SSE2: on the 2-core Intel VM of 2026-12-06 this kernel
+//! hashed a 368,640-byte page about 2.2 times as fast (in cache, under load). This is the same function, chosen at run time like every
 //! other kernel here, and tested bit-equal to `xxhash_rust::xxh3::xxh3_64_with_secret`
 //! (the scalar path too).
 
