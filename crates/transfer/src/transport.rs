@@ -49,6 +49,20 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     reader: &mut R,
     max_bytes: usize,
 ) -> Result<Option<Frame>, LinkError> {
+    let Some(len) = read_length(reader, max_bytes).await? else {
+        return Ok(None);
+    };
+    let mut body = Vec::with_capacity(len);
+    read_more(reader, &mut body, len).await?;
+    Ok(Some(Frame::decode_owned(body)?))
+}
+
+/// A frame's length prefix, checked against `max_bytes`; `Ok(None)` at a clean end of stream
+/// between frames.
+async fn read_length<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max_bytes: usize,
+) -> Result<Option<usize>, LinkError> {
     let mut len_bytes = [0u8; 4];
     match reader.read_exact(&mut len_bytes).await {
         Ok(_) => {}
@@ -59,16 +73,21 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     if len > max_bytes {
         return Err(LinkError::FrameTooLarge { len });
     }
-    // Read into spare capacity: a page-sized body is not zeroed first only to be overwritten.
-    let mut body = Vec::with_capacity(len);
-    let read = (&mut *reader)
-        .take(len as u64)
-        .read_to_end(&mut body)
-        .await?;
+    Ok(Some(len))
+}
+
+/// Appends exactly `len` more bytes of the stream to `body`, read into its spare capacity (a
+/// page-sized body is not zeroed first only to be overwritten).
+async fn read_more<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    body: &mut Vec<u8>,
+    len: usize,
+) -> Result<(), LinkError> {
+    let read = (&mut *reader).take(len as u64).read_to_end(body).await?;
     if read < len {
         return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
     }
-    Ok(Some(Frame::decode_owned(body)?))
+    Ok(())
 }
 
 /// A `Page` frame's fields, read before its bytes.
@@ -112,16 +131,9 @@ async fn read_frame_into<R: AsyncRead + Unpin>(
     reader: &mut R,
     sink: &dyn PageSink,
 ) -> Result<Option<Option<Frame>>, LinkError> {
-    let mut len_bytes = [0u8; 4];
-    match reader.read_exact(&mut len_bytes).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.into()),
-    }
-    let len = u32::from_le_bytes(len_bytes) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(LinkError::FrameTooLarge { len });
-    }
+    let Some(len) = read_length(reader, MAX_FRAME_BYTES).await? else {
+        return Ok(None);
+    };
     let mut head = [0u8; PAGE_HEAD_BYTES];
     let head_len = len.min(PAGE_HEAD_BYTES);
     reader.read_exact(&mut head[..head_len]).await?;
@@ -130,13 +142,7 @@ async fn read_frame_into<R: AsyncRead + Unpin>(
         // Not a well-formed page frame: the whole body through the decoder, which says why.
         let mut body = Vec::with_capacity(len);
         body.extend_from_slice(&head[..head_len]);
-        let read = (&mut *reader)
-            .take((len - head_len) as u64)
-            .read_to_end(&mut body)
-            .await?;
-        if read < len - head_len {
-            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-        }
+        read_more(reader, &mut body, len - head_len).await?;
         let frame = Frame::decode_owned(body)?;
         if let Frame::Done(done) = &frame {
             sink.closing(done);
