@@ -1,6 +1,8 @@
 //! The two-sample Kolmogorov–Smirnov test: are two samples drawn from one distribution?
 //! The canary's timing audit (TEST-MATRIX I07) asks it of time-to-first-token samples.
 
+use crate::order::sorted;
+
 /// The statistic and its p-value.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KsTest {
@@ -73,12 +75,6 @@ pub fn kolmogorov_survival(lambda: f64) -> f64 {
             .sum()
     };
     p.clamp(0.0, 1.0)
-}
-
-fn sorted(values: &[f64]) -> Vec<f64> {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted
 }
 
 #[cfg(test)]

@@ -42,7 +42,8 @@ pub fn mean_and_ci95(values: &[f64]) -> (f64, f64) {
     (mean, t * (variance / n).sqrt())
 }
 
-fn sorted(values: &[f64]) -> Vec<f64> {
+/// A sorted copy (NaNs last, by `total_cmp`).
+pub(crate) fn sorted(values: &[f64]) -> Vec<f64> {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     sorted

@@ -78,10 +78,10 @@ const MIX: &[&str] = &[
     "60",
 ];
 
-#[test]
-fn canary_against_serve_is_clean_and_every_should_fail_request_gets_4xx() {
-    let model = model_path();
-    let mut args = vec![
+/// The canary's arguments to spawn `serve` on the real model, small: four tenants, a context
+/// of 512 and one thread.
+fn spawned_serve(model: &str) -> Vec<&str> {
+    vec![
         "--spawn",
         "serve",
         "--tenants",
@@ -91,8 +91,14 @@ fn canary_against_serve_is_clean_and_every_should_fail_request_gets_4xx() {
         "--threads",
         "1",
         "--model-file",
-        &model,
-    ];
+        model,
+    ]
+}
+
+#[test]
+fn canary_against_serve_is_clean_and_every_should_fail_request_gets_4xx() {
+    let model = model_path();
+    let mut args = spawned_serve(&model);
     args.extend_from_slice(MIX);
     // Half the good requests go twice: greedy twins must agree (no false alarm on a clean,
     // concurrently batched server).
@@ -395,20 +401,8 @@ fn canary_help_explains_the_options_with_an_example() {
 #[test]
 fn canary_shared_system_prompt_finds_no_cross_tenant_hit_and_sees_own_reuse() {
     let model = model_path();
-    let mut args = vec![
-        "--spawn",
-        "serve",
-        "--tenants",
-        "4",
-        "--context-length",
-        "512",
-        "--threads",
-        "1",
-        "--model-file",
-        &model,
-        "--shared-prefix-tokens",
-        "160",
-    ];
+    let mut args = spawned_serve(&model);
+    args.extend_from_slice(&["--shared-prefix-tokens", "160"]);
     args.extend_from_slice(MIX);
     let (output, report) = canary("shared", &args);
     let stdout = String::from_utf8_lossy(&output.stdout);
