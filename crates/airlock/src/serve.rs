@@ -1,6 +1,7 @@
 //! `airlock serve | router | prefill | decode | unified`: the serving roles. Each role is a
 //! process of its own; `serve` runs a router, a prefill and a decode worker in one process,
-//! linked over real TCP on loopback.
+//! linked over a Unix socket with the KV pages written through shared memory (one-sided), or
+//! over TCP on loopback with `--kv-transport tcp`.
 
 use crate::Faults;
 use anyhow::{bail, Context, Result};
@@ -15,9 +16,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use transfer::transport::Tcp;
+use transfer::transport::{Net, UNIX_PREFIX};
 use transfer::{ClusterSecret, Expectation, Role};
-use worker::{start_worker, Listener, Worker, WorkerConfig};
+use worker::{start_worker_on, Listener, Worker, WorkerConfig};
 
 /// Flags every serving role takes.
 #[derive(clap::Args, Clone, Debug)]
@@ -165,6 +166,18 @@ fn check_open_bind(args: &CommonArgs) -> Result<()> {
 pub struct ServeArgs {
     #[command(flatten)]
     common: CommonArgs,
+    /// How KV pages get from the prefill worker to the decode worker: shm writes them
+    /// straight into decode's pool through shared memory (a memfd passed over a Unix socket
+    /// in a private temporary directory); tcp sends them as frames over loopback TCP
+    #[arg(long, env = "AIRLOCK_KV_TRANSPORT", value_enum, default_value_t = KvTransport::Shm)]
+    kv_transport: KvTransport,
+}
+
+/// See `serve --kv-transport`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvTransport {
+    Shm,
+    Tcp,
 }
 
 #[derive(clap::Args, Debug)]
@@ -174,7 +187,9 @@ pub struct RouterArgs {
     /// Address (host:port) of a prefill worker; repeatable
     #[arg(long, env = "AIRLOCK_PREFILL", value_delimiter = ',')]
     prefill: Vec<String>,
-    /// Address (host:port) of a decode worker; repeatable
+    /// Address of a decode worker: host:port, or unix:PATH for one on this host started with
+    /// --kv-socket PATH (its prefill workers then write KV pages through shared memory);
+    /// repeatable
     #[arg(long, env = "AIRLOCK_DECODE", value_delimiter = ',')]
     decode: Vec<String>,
     /// Address (host:port) of a unified worker; repeatable (instead of prefill + decode)
@@ -189,6 +204,11 @@ pub struct WorkerArgs {
     /// Worker name in logs and metrics [default: ROLE@HOST:PORT]
     #[arg(long, env = "AIRLOCK_NAME")]
     name: Option<String>,
+    /// Decode only: also listen on this Unix socket. Prefill workers on this host that are
+    /// sent here as unix:PATH (router --decode unix:PATH) write KV pages straight into this
+    /// worker's pool, which is then shared memory; TCP links work as before
+    #[arg(long, env = "AIRLOCK_KV_SOCKET")]
+    kv_socket: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -394,6 +414,7 @@ fn load_worker(
     role: Role,
     name: String,
     faults: Faults,
+    shared_pool: bool,
 ) -> Result<(WorkerConfig, Model, Tokenizer, PagePool)> {
     let started = Instant::now();
     let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
@@ -403,11 +424,16 @@ fn load_worker(
     let preflight = faults.preflight_checked();
     let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
     let layout = model.config().kv_layout(args.page_size as usize);
-    let pool = PagePool::new(PoolConfig {
+    let pool_config = PoolConfig {
         layout,
         size: PoolSize::Tokens(plan.capacity_tokens as usize),
         scrub_on_free: args.scrub_on_free,
-    })
+    };
+    let pool = if shared_pool {
+        PagePool::new_shared(pool_config)
+    } else {
+        PagePool::new(pool_config)
+    }
     .context("creating the KV pool")?;
     assert_eq!(
         pool.capacity_tokens() as u64,
@@ -452,26 +478,73 @@ async fn bind(host: &str, port: u16) -> Result<TcpListener> {
         .with_context(|| format!("cannot listen on {host}:{port}"))
 }
 
+/// Loads and starts a worker on `listeners`; a decode worker listening on a Unix socket
+/// gets a shared pool, for the prefills that write into it.
 async fn spawn_worker(
     args: &CommonArgs,
     file: &ModelFile,
     role: Role,
     name: String,
-    listener: TcpListener,
+    listeners: Vec<Listener>,
     secret: &ClusterSecret,
     faults: Faults,
 ) -> Result<Worker> {
-    let (config, model, tokenizer, pool) = load_worker(args, file, role, name, faults)?;
-    let worker = start_worker(
+    let shared_pool = role == Role::Decode
+        && listeners
+            .iter()
+            .any(|listener| matches!(listener, Listener::Unix(_)));
+    let (config, model, tokenizer, pool) =
+        load_worker(args, file, role, name, faults, shared_pool)?;
+    let worker = start_worker_on(
         config,
         model,
         tokenizer,
         pool,
-        Listener::Tcp(listener),
-        Arc::new(Tcp),
+        listeners,
+        Arc::new(Net),
         secret.clone(),
     )?;
     Ok(worker)
+}
+
+/// A Unix socket in a fresh private directory (mode 0700), removed with it on drop.
+struct PrivateSocket {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl PrivateSocket {
+    fn bind(name: &str) -> Result<(PrivateSocket, tokio::net::UnixListener)> {
+        use std::hash::{BuildHasher, Hasher};
+        use std::os::unix::fs::DirBuilderExt;
+        let nonce = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        let unique = format!("airlock-{}-{nonce:016x}", std::process::id());
+        let dir = std::env::temp_dir().join(unique);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("creating {}", dir.display()))?;
+        let path = dir.join(name);
+        let socket = PrivateSocket {
+            dir,
+            path: path.clone(),
+        };
+        let listener = tokio::net::UnixListener::bind(&path)
+            .with_context(|| format!("cannot listen on {}", path.display()))?;
+        Ok((socket, listener))
+    }
+
+    fn address(&self) -> String {
+        format!("{UNIX_PREFIX}{}", self.path.display())
+    }
+}
+
+impl Drop for PrivateSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn tenants(args: &CommonArgs) -> Result<Tenants> {
@@ -513,7 +586,7 @@ async fn run_router(
         workers,
         file.expectation(args, context_length),
         secret,
-        Arc::new(Tcp),
+        Arc::new(Net),
         metrics.clone(),
     );
     let listener = bind(&args.host, port).await?;
@@ -602,24 +675,36 @@ fn print_ready(address: &str, model_name: &str, open: bool) {
     );
 }
 
-/// `airlock serve`: router + prefill + decode in one process, over TCP on loopback.
+/// `airlock serve`: router + prefill + decode in one process, the pages moved through shared
+/// memory (or over TCP on loopback, `--kv-transport tcp`).
 pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
     init_logging();
+    let transport = args.kv_transport;
     let args = args.common;
     check_open_bind(&args)?;
     let file = read_model_file(&args)?;
     let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {
-        let decode_listener = bind("127.0.0.1", 0).await?;
+        let (_socket, decode_listener, decode_addr) = match transport {
+            KvTransport::Shm => {
+                let (socket, listener) = PrivateSocket::bind("decode.sock")?;
+                let addr = socket.address();
+                (Some(socket), Listener::Unix(listener), addr)
+            }
+            KvTransport::Tcp => {
+                let listener = bind("127.0.0.1", 0).await?;
+                let addr = listener.local_addr()?.to_string();
+                (None, Listener::Tcp(listener), addr)
+            }
+        };
         let prefill_listener = bind("127.0.0.1", 0).await?;
-        let decode_addr = decode_listener.local_addr()?.to_string();
         let prefill_addr = prefill_listener.local_addr()?.to_string();
         let decode = spawn_worker(
             &args,
             &file,
             Role::Decode,
             "decode-0".into(),
-            decode_listener,
+            vec![decode_listener],
             &secret,
             faults,
         )
@@ -629,7 +714,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
             &file,
             Role::Prefill,
             "prefill-0".into(),
-            prefill_listener,
+            vec![Listener::Tcp(prefill_listener)],
             &secret,
             faults,
         )
@@ -680,6 +765,9 @@ pub fn router(args: RouterArgs) -> Result<()> {
 
 fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -> Result<()> {
     init_logging();
+    if args.kv_socket.is_some() && role != Role::Decode {
+        bail!("--kv-socket is a decode worker's flag: prefill workers write into it");
+    }
     let common = args.common;
     let secret = cluster_secret(&common, false)?;
     let file = read_model_file(&common)?;
@@ -691,8 +779,26 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
         let name = args
             .name
             .unwrap_or_else(|| format!("{role_name}@{address}"));
-        let _worker = spawn_worker(&common, &file, role, name, listener, &secret, faults).await?;
-        println!("Airlock {role_name} worker listening on {address}");
+        let mut listeners = vec![Listener::Tcp(listener)];
+        if let Some(path) = &args.kv_socket {
+            // A socket left by an earlier run of this worker is replaced.
+            if std::fs::symlink_metadata(path)
+                .is_ok_and(|meta| std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()))
+            {
+                let _ = std::fs::remove_file(path);
+            }
+            let unix = tokio::net::UnixListener::bind(path)
+                .with_context(|| format!("cannot listen on {}", path.display()))?;
+            listeners.push(Listener::Unix(unix));
+        }
+        let _worker = spawn_worker(&common, &file, role, name, listeners, &secret, faults).await?;
+        match &args.kv_socket {
+            Some(path) => println!(
+                "Airlock {role_name} worker listening on {address} and {UNIX_PREFIX}{}",
+                path.display()
+            ),
+            None => println!("Airlock {role_name} worker listening on {address}"),
+        }
         let _ = tokio::signal::ctrl_c().await;
         Ok(())
     })
@@ -713,6 +819,7 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
         let worker_args = WorkerArgs {
             common: args.common,
             name: None,
+            kv_socket: None,
         };
         return run_worker(worker_args, Role::Unified, 9003, faults);
     }
@@ -729,7 +836,7 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
             &file,
             Role::Unified,
             "unified-0".into(),
-            listener,
+            vec![Listener::Tcp(listener)],
             &secret,
             faults,
         )

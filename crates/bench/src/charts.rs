@@ -94,10 +94,22 @@ pub(crate) fn write_charts(
                 .map(|p| (p.tokens as f64, f(p)))
                 .collect()
         };
+        let shm_tokens = |f: &dyn Fn(&curves::TransferPoint) -> f64| -> Vec<(f64, f64)> {
+            report
+                .shm_points
+                .iter()
+                .map(|p| (p.tokens as f64, f(p)))
+                .collect()
+        };
         let mut series = vec![
             Series {
                 name: "KV transfer, loopback TCP (measured)".into(),
                 points: tokens(&|p| p.seconds * 1e3),
+                style: Style::Measured,
+            },
+            Series {
+                name: "KV transfer, shared memory (measured)".into(),
+                points: shm_tokens(&|p| p.seconds * 1e3),
                 style: Style::Measured,
             },
             Series {
@@ -149,6 +161,11 @@ pub(crate) fn write_charts(
                     Series {
                         name: "KV transfer, loopback TCP (measured)".into(),
                         points: tokens(&|p| p.gb_per_s()),
+                        style: Style::Measured,
+                    },
+                    Series {
+                        name: "KV transfer, shared memory (measured)".into(),
+                        points: shm_tokens(&|p| p.gb_per_s()),
                         style: Style::Measured,
                     },
                     Series {

@@ -15,6 +15,7 @@ use kv::{Owner, PagePool, PageState, PoolConfig, PoolSize, RequestId, TenantId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use transfer::one_sided;
 use transfer::transport::{PageHeader, PageSink};
 use transfer::{Frame, Inbound, PageBytes, TransferDone, TransferHasher, TransferId};
 
@@ -347,7 +348,10 @@ impl TransferPoint {
 
 pub struct TransferReport {
     pub layout: kv::KvLayout,
+    /// Over loopback TCP.
     pub points: Vec<TransferPoint>,
+    /// One-sided, through shared memory over a Unix socket (empty in reports from before it).
+    pub shm_points: Vec<TransferPoint>,
     pub memcpy_gb_s: f64,
     pub xxh3_gb_s: f64,
     /// A plain socket copy over loopback TCP (8 MiB writes and reads), same run: what a
@@ -367,6 +371,8 @@ struct Reservation {
     leases: Vec<Option<kv::LentPageMut>>,
     hashes: Vec<Option<u64>>,
     refused: Option<String>,
+    /// Granted to a one-sided writer: hashed at `Done`, as decode's `Grants` does.
+    one_sided: bool,
 }
 
 impl BenchSink {
@@ -377,6 +383,7 @@ impl BenchSink {
             leases: leases.into_iter().map(Some).collect(),
             hashes: vec![None; pages],
             refused: None,
+            one_sided: false,
         });
     }
 
@@ -426,7 +433,38 @@ impl PageSink for BenchSink {
         }
     }
 
-    fn closing(&self, _done: &TransferDone) {}
+    fn closing(&self, _done: &TransferDone) {
+        let mut state = self.state.lock().expect("bench sink lock");
+        if let Some(reservation) = state.as_mut().filter(|r| r.one_sided) {
+            for (hash, lease) in reservation.hashes.iter_mut().zip(&reservation.leases) {
+                *hash = lease
+                    .as_ref()
+                    .map(|lease| transfer::page_hash(lease.bytes()));
+            }
+        }
+    }
+
+    fn grant(&self, transfer: TransferId, request: RequestId, tenant: TenantId) -> Frame {
+        let mut state = self.state.lock().expect("bench sink lock");
+        let granted = state.as_mut().and_then(|reservation| {
+            reservation.inbound.grant_writes(request, tenant).ok()?;
+            reservation.one_sided = true;
+            let pool_pages = reservation
+                .leases
+                .iter()
+                .flatten()
+                .map(kv::LentPageMut::page);
+            Some(Frame::WriteGrant {
+                transfer,
+                first_index: 0,
+                pool_pages: pool_pages.collect(),
+            })
+        });
+        granted.unwrap_or(Frame::Nack {
+            transfer,
+            reject: transfer::Reject::UnknownTransfer,
+        })
+    }
 }
 
 /// What the receiving thread is told to expect.
@@ -437,7 +475,8 @@ pub(crate) struct Expect {
 }
 
 /// Sends `tokens[i]` tokens of KV (layout of the model, `page_size` tokens per page) from one
-/// pool to another over loopback TCP, `reps` times each, and reports the medians; then
+/// pool to another over loopback TCP and then one-sidedly through shared memory, `reps` times
+/// each, and reports the medians; then
 /// measures memcpy and xxh3 bandwidth over `bandwidth_bytes` (256 MiB in `airlock bench`) in
 /// the same process.
 pub fn transfer_sweep(
@@ -446,23 +485,58 @@ pub fn transfer_sweep(
     reps: usize,
     bandwidth_bytes: usize,
 ) -> Result<TransferReport> {
+    eprintln!("  over loopback TCP:");
+    let points = sweep_on(layout, tokens, reps, false)?;
+    eprintln!("  one-sided, through shared memory:");
+    let shm_points = sweep_on(layout, tokens, reps, true)?;
+    let memcpy_gb_s = memcpy_bandwidth(bandwidth_bytes, 5);
+    let xxh3_gb_s = xxh3_bandwidth(bandwidth_bytes, 5);
+    let socket_gb_s = socket_copy_bandwidth(bandwidth_bytes, 5)?;
+    eprintln!("  loopback socket copy {socket_gb_s:.2} GB/s (best of 5, 8 MiB writes)");
+    eprintln!(
+        "  memcpy {memcpy_gb_s:.2} GB/s, xxh3 {xxh3_gb_s:.2} GB/s (best of 5 over {} MiB)",
+        bandwidth_bytes >> 20
+    );
+    Ok(TransferReport {
+        layout,
+        points,
+        shm_points,
+        memcpy_gb_s,
+        xxh3_gb_s,
+        socket_gb_s,
+    })
+}
+
+/// One transport's points: framed over loopback TCP, or (`one_sided`) page writes into a
+/// shared-memory pool with control frames over a Unix socket, as `serve` runs them.
+fn sweep_on(
+    layout: kv::KvLayout,
+    tokens: &[usize],
+    reps: usize,
+    one_sided: bool,
+) -> Result<Vec<TransferPoint>> {
     let max_tokens = tokens.iter().copied().max().context("no transfer sizes")?;
     let page_bytes = layout.page_bytes();
     if !transfer::page_fits_frame(page_bytes) {
         bail!("pages of {page_bytes} bytes do not fit a transfer frame");
     }
-    let pool = |tokens: usize| {
-        PagePool::new(PoolConfig {
+    let pool = |tokens: usize, shared: bool| {
+        let config = PoolConfig {
             layout,
             size: PoolSize::Tokens(layout.pages_for_tokens(tokens) * layout.page_size_tokens),
             scrub_on_free: false,
-        })
+        };
+        if shared {
+            PagePool::new_shared(config)
+        } else {
+            PagePool::new(config)
+        }
         .context("creating a KV pool for the transfer benchmark")
     };
     // Twice the largest transfer: a released page the link's writer has not let go of yet
     // is not reused, so the next repetition may need others.
-    let mut sender_pool = pool(2 * max_tokens)?;
-    let receiver_pool = pool(max_tokens)?;
+    let mut sender_pool = pool(2 * max_tokens, false)?;
+    let receiver_pool = pool(max_tokens, one_sided)?;
     // Two workers, as serve has: the link's reader and writer tasks run here, the engines on
     // their own threads (this one sends, a second one receives).
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -472,23 +546,11 @@ pub fn transfer_sweep(
     // The receiver lands pages as a decode worker's prefill link does: its reader reads each
     // page's bytes straight into the reserved page and hashes it there.
     let sink = Arc::new(BenchSink::default());
-    let (sender_link, receiver_link) = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let (connected, accepted) =
-            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
-        let (connected, (accepted, _)) = (connected?, accepted?);
-        connected.set_nodelay(true)?;
-        accepted.set_nodelay(true)?;
-        let sender = transfer::transport::spawn_link(Box::new(connected), "bench-prefill".into());
-        let page_sink: Arc<dyn PageSink> = sink.clone();
-        let receiver = transfer::transport::spawn_link_with_sink(
-            Box::new(accepted),
-            "bench-decode".into(),
-            Some(page_sink),
-        );
-        anyhow::Ok((sender, receiver))
-    })?;
+    let (sender_link, receiver_link) = if one_sided {
+        runtime.block_on(one_sided_links(&receiver_pool, sink.clone()))?
+    } else {
+        runtime.block_on(tcp_links(sink.clone()))?
+    };
 
     let (expect_tx, expect_rx) = std::sync::mpsc::channel::<Expect>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
@@ -649,22 +711,56 @@ pub fn transfer_sweep(
         .map_err(|_| anyhow::anyhow!("the receiving thread panicked"))?;
     drop(sender_link);
     drop(runtime);
+    Ok(points)
+}
 
-    let memcpy_gb_s = memcpy_bandwidth(bandwidth_bytes, 5);
-    let xxh3_gb_s = xxh3_bandwidth(bandwidth_bytes, 5);
-    let socket_gb_s = socket_copy_bandwidth(bandwidth_bytes, 5)?;
-    eprintln!("  loopback socket copy {socket_gb_s:.2} GB/s (best of 5, 8 MiB writes)");
-    eprintln!(
-        "  memcpy {memcpy_gb_s:.2} GB/s, xxh3 {xxh3_gb_s:.2} GB/s (best of 5 over {} MiB)",
-        bandwidth_bytes >> 20
+type Links = (transfer::transport::Link, transfer::transport::Link);
+
+/// A sending link and a receiving one over loopback TCP.
+async fn tcp_links(sink: Arc<BenchSink>) -> Result<Links> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (connected, accepted) =
+        tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+    let (connected, (accepted, _)) = (connected?, accepted?);
+    connected.set_nodelay(true)?;
+    accepted.set_nodelay(true)?;
+    let sender = transfer::transport::spawn_link(Box::new(connected), "bench-prefill".into());
+    let page_sink: Arc<dyn PageSink> = sink;
+    let receiver = transfer::transport::spawn_link_with_sink(
+        Box::new(accepted),
+        "bench-decode".into(),
+        Some(page_sink),
     );
-    Ok(TransferReport {
-        layout,
-        points,
-        memcpy_gb_s,
-        xxh3_gb_s,
-        socket_gb_s,
-    })
+    Ok((sender, receiver))
+}
+
+/// A one-sided sending link that writes into `receiver_pool` (shared memory), and the
+/// receiving link that grants its pages, over a Unix socket pair.
+async fn one_sided_links(receiver_pool: &PagePool, sink: Arc<BenchSink>) -> Result<Links> {
+    let (prefill_end, decode_end) = tokio::net::UnixStream::pair()?;
+    let fence = hugemem::shared::WriteFence::create()?;
+    let pool_fd = receiver_pool.shared_fd().context("a shared pool")?;
+    let page_bytes = receiver_pool.layout().page_bytes();
+    let page_count = receiver_pool.page_count() as u32;
+    let offered =
+        one_sided::offer_pool(&decode_end, pool_fd, page_count, page_bytes as u64, &fence);
+    let accepted = one_sided::accept_pool(&prefill_end, page_bytes);
+    let (offered, accepted) = tokio::join!(offered, accepted);
+    offered?;
+    let sender = one_sided::spawn_one_sided_link(
+        Box::new(prefill_end),
+        "bench-prefill".into(),
+        Arc::new(accepted?),
+        one_sided::WriterFaults::default(),
+    );
+    let page_sink: Arc<dyn PageSink> = sink;
+    let receiver = transfer::transport::spawn_link_with_sink(
+        Box::new(decode_end),
+        "bench-decode".into(),
+        Some(page_sink),
+    );
+    Ok((sender, receiver))
 }
 
 #[cfg(test)]
@@ -756,6 +852,10 @@ mod tests {
         assert_eq!(report.points[1].pages, 3);
         assert_eq!(report.points[1].bytes, 3 * layout.page_bytes());
         assert!(report.points.iter().all(|p| p.seconds > 0.0));
+        // The one-sided sweep verifies every transfer too (a refused one is an error).
+        assert_eq!(report.shm_points.len(), 2);
+        assert_eq!(report.shm_points[1].bytes, report.points[1].bytes);
+        assert!(report.shm_points.iter().all(|p| p.seconds > 0.0));
         assert!(report.memcpy_gb_s > 0.0 && report.xxh3_gb_s > 0.0);
     }
 }

@@ -54,8 +54,9 @@ use std::path::PathBuf;
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// Servers to start and measure in turn: serve, unified, llama-cpp (llama.cpp's own
-    /// llama-server, one slot per request in flight; see --llama-server), serve-nocache and
-    /// unified-nocache (with --no-prefix-cache), comma-separated, or none [default: serve,
+    /// llama-server, one slot per request in flight; see --llama-server), serve-tcp (serve with
+    /// --kv-transport tcp), serve-nocache and unified-nocache (with --no-prefix-cache),
+    /// comma-separated, or none [default: serve,
     /// unified and llama-cpp, unless --url is given; with --workload chat or shared-prefix:
     /// serve, serve-nocache, unified, unified-nocache]
     #[arg(long, env = "AIRLOCK_BENCH_SPAWN", value_delimiter = ',')]
@@ -348,7 +349,8 @@ pub fn run(mut args: Args) -> Result<()> {
     let transfer = match (&sweeps.transfer_tokens, &model) {
         (Some(tokens), Some(model)) => {
             eprintln!(
-                "== KV transfer over loopback TCP, in process ({} reps per size)",
+                "== KV transfer over loopback TCP and through shared memory, in process ({} reps \
+                 per size)",
                 args.transfer_reps
             );
             let report =

@@ -77,16 +77,26 @@ pub(crate) fn report_json(
             "memcpy_gb_s": t.memcpy_gb_s,
             "socket_gb_s": t.socket_gb_s,
             "xxh3_gb_s": t.xxh3_gb_s,
-            "points": t.points.iter().map(|p| json!({
+            "points": points_json(&t.points),
+            "shm_points": points_json(&t.shm_points),
+        })),
+    })
+}
+
+fn points_json(points: &[curves::TransferPoint]) -> Vec<serde_json::Value> {
+    points
+        .iter()
+        .map(|p| {
+            serde_json::json!({
                 "tokens": p.tokens,
                 "pages": p.pages,
                 "bytes": p.bytes,
                 "seconds": p.seconds,
                 "pack_seconds": p.pack_seconds,
                 "gb_s": p.gb_per_s(),
-            })).collect::<Vec<_>>(),
-        })),
-    })
+            })
+        })
+        .collect()
 }
 
 /// The pool samples a chart needs: per worker, the first and last, and those next to a change
@@ -191,16 +201,22 @@ pub(crate) fn results_from_json(
         serde_json::Value::Null => None,
         transfer => {
             let layout = &transfer["layout"];
-            let mut points = Vec::new();
-            for point in list(transfer, "points") {
-                points.push(curves::TransferPoint {
-                    tokens: number(&point, "tokens")? as usize,
-                    pages: number(&point, "pages")? as usize,
-                    bytes: number(&point, "bytes")? as usize,
-                    seconds: number(&point, "seconds")?,
-                    pack_seconds: number(&point, "pack_seconds")?,
-                });
-            }
+            let points_of = |key: &str| -> Result<Vec<curves::TransferPoint>> {
+                let mut points = Vec::new();
+                for point in list(transfer, key) {
+                    points.push(curves::TransferPoint {
+                        tokens: number(&point, "tokens")? as usize,
+                        pages: number(&point, "pages")? as usize,
+                        bytes: number(&point, "bytes")? as usize,
+                        seconds: number(&point, "seconds")?,
+                        pack_seconds: number(&point, "pack_seconds")?,
+                    });
+                }
+                Ok(points)
+            };
+            let points = points_of("points")?;
+            // Reports written before the one-sided transport existed have none.
+            let shm_points = points_of("shm_points")?;
             Some(TransferReport {
                 layout: kv::KvLayout {
                     layer_count: number(layout, "layers")? as usize,
@@ -209,6 +225,7 @@ pub(crate) fn results_from_json(
                     page_size_tokens: number(layout, "page_size_tokens")? as usize,
                 },
                 points,
+                shm_points,
                 memcpy_gb_s: number(transfer, "memcpy_gb_s")?,
                 // Reports written before the socket baseline existed have none.
                 socket_gb_s: number(transfer, "socket_gb_s").unwrap_or(f64::NAN),

@@ -52,22 +52,25 @@ impl Server {
         Ok(server)
     }
 
-    /// Starts `name` (serve, unified, serve-nocache, unified-nocache or llama-cpp) on
-    /// `--port`; a `-nocache` name runs with `--no-prefix-cache`; llama-cpp's slots each hold
-    /// `slot_context` tokens.
+    /// Starts `name` (serve, serve-tcp, unified, serve-nocache, unified-nocache or llama-cpp)
+    /// on `--port`; a `-nocache` name runs with `--no-prefix-cache`, serve-tcp with
+    /// `--kv-transport tcp`; llama-cpp's slots each hold `slot_context` tokens.
     pub(crate) fn start(name: &str, args: &Args, slot_context: usize) -> Result<Server> {
         let model = args.model.resolve_model()?;
         let threads = args.model.threads().to_string();
         let port = args.port.to_string();
         let url = format!("http://127.0.0.1:{port}");
         let (mut command, model_id) = match name {
-            "serve" | "unified" | "serve-nocache" | "unified-nocache" => {
+            "serve" | "serve-tcp" | "unified" | "serve-nocache" | "unified-nocache" => {
                 let mut command = Command::new(std::env::current_exe()?);
-                let role = name.trim_end_matches("-nocache");
+                let role = name.trim_end_matches("-nocache").trim_end_matches("-tcp");
                 command.args([role, "--port", &port, "--threads", &threads]);
                 command.arg("--model").arg(&model);
-                if role != name {
+                if name.ends_with("-nocache") {
                     command.arg("--no-prefix-cache");
+                }
+                if name.ends_with("-tcp") {
+                    command.args(["--kv-transport", "tcp"]);
                 }
                 if let Some(ms) = args.queue_timeout_ms {
                     command.args(["--queue-timeout-ms", &ms.to_string()]);

@@ -172,4 +172,26 @@ pub(crate) fn print_transfer_table(report: &TransferReport, results: &[TargetRes
             memcpy_ms,
         );
     }
+    if report.shm_points.is_empty() {
+        return;
+    }
+    println!(
+        "\nKV transfer one-sided through shared memory (serve's default): pages copied into the \
+         receiver's memfd pool, control frames over a Unix socket; same layout and timing\n"
+    );
+    println!("| tokens | pages | MB | transfer ms | GB/s | of memcpy | sender packing ms | memcpy ms (same bytes) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for point in &report.shm_points {
+        println!(
+            "| {} | {} | {:.1} | {:.2} | {:.2} | {:.0}% | {:.2} | {:.2} |",
+            point.tokens,
+            point.pages,
+            point.bytes as f64 / 1e6,
+            point.seconds * 1e3,
+            point.gb_per_s(),
+            point.gb_per_s() / report.memcpy_gb_s * 100.0,
+            point.pack_seconds * 1e3,
+            point.bytes as f64 / report.memcpy_gb_s / 1e6,
+        );
+    }
 }

@@ -94,6 +94,13 @@ fn a_report_replots_from_its_json() {
             seconds: 0.002,
             pack_seconds: 0.001,
         }],
+        shm_points: vec![crate::curves::TransferPoint {
+            tokens: 128,
+            pages: 8,
+            bytes: 8 * 368_640,
+            seconds: 0.0006,
+            pack_seconds: 0.0004,
+        }],
         memcpy_gb_s: 15.0,
         xxh3_gb_s: 13.0,
         socket_gb_s: 4.0,

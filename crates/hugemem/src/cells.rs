@@ -44,6 +44,32 @@ impl<T: bytemuck::Zeroable> PageCells<T> {
             borrows: (0..page_count).map(|_| AtomicUsize::new(0)).collect(),
         }
     }
+
+    /// [`PageCells::zeroed`] in a sealed memfd that another process may map
+    /// ([`PageCells::shared_fd`]): the pool of a decode worker that takes one-sided writes.
+    #[cfg(target_os = "linux")]
+    pub fn zeroed_shared(page_count: usize, page_len: usize) -> std::io::Result<PageCells<T>> {
+        let bytes = page_count
+            .checked_mul(page_len)
+            .and_then(|len| len.checked_mul(size_of::<T>()))
+            .filter(|&bytes| bytes <= isize::MAX as usize)
+            .ok_or_else(|| std::io::Error::other("PageCells length overflows isize::MAX bytes"))?;
+        let memory = crate::shared::SharedMemory::create(c"airlock-kv-pool", bytes.max(1))?;
+        const {
+            assert!(
+                align_of::<T>() <= 4096,
+                "a mapping starts on a system page boundary"
+            )
+        };
+        Ok(PageCells {
+            memory: Memory {
+                ptr: memory.as_ptr().cast::<T>(),
+                backing: MemoryBacking::Shared { memory },
+            },
+            page_len,
+            borrows: (0..page_count).map(|_| AtomicUsize::new(0)).collect(),
+        })
+    }
 }
 
 impl<T> PageCells<T> {
@@ -53,6 +79,15 @@ impl<T> PageCells<T> {
 
     pub fn page_len(&self) -> usize {
         self.page_len
+    }
+
+    /// The memfd behind cells made by [`PageCells::zeroed_shared`], to pass to a peer.
+    #[cfg(target_os = "linux")]
+    pub fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        match &self.memory.backing {
+            MemoryBacking::Shared { memory } => Some(memory.fd()),
+            _ => None,
+        }
     }
 
     /// Whether any guard of `page` is alive (a reader, a writer, or a lent page).
@@ -303,6 +338,11 @@ enum MemoryBacking<T> {
     Mapped {
         _mapping: crate::mapped::Mapping<T>,
     },
+    /// A memfd another process may map too (held for its `Drop`, which unmaps).
+    #[cfg(target_os = "linux")]
+    Shared {
+        memory: crate::shared::SharedMemory,
+    },
     Heap {
         layout: std::alloc::Layout,
     },
@@ -347,6 +387,8 @@ impl<T> Drop for Memory<T> {
         match &self.backing {
             #[cfg(target_os = "linux")]
             MemoryBacking::Mapped { .. } => {} // unmapped by the mapping's own drop
+            #[cfg(target_os = "linux")]
+            MemoryBacking::Shared { .. } => {} // likewise
             // SAFETY: allocated above with this very layout; no guard outlives the cells
             // (each holds `&PageCells` or an `Arc` of it). The elements are plain data
             // (`Zeroable`), with nothing to drop.

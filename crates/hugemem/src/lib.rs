@@ -12,13 +12,16 @@
 //! heap allocation: the advice is a speed hint, never a requirement.
 //!
 //! This crate holds the `unsafe` that lets `kv` forbid it: the mapping, the advice, and the
-//! slice over the mapping.
+//! slice over the mapping; and, in [`shared`], the memory a decode worker's pool shares with
+//! the prefill workers on its host (the one-sided transport).
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 mod cells;
 pub use cells::{OwnedPageMut, OwnedPageRef, PageCells, PageMut, PageRef};
+#[cfg(target_os = "linux")]
+pub mod shared;
 
 /// The huge-page size asked for (x86-64's PMD size).
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;

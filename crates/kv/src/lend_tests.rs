@@ -140,3 +140,49 @@ fn pages_lent_for_receive_give_no_view_until_returned() {
     assert_eq!(pool.reclaim_returned(), 1);
     pool.check_invariants();
 }
+
+/// The one-sided transport's receive side: a shared pool's reserved page, lent for receiving,
+/// is written by a peer mapping of the pool's memfd, and the bytes are what a view reads once
+/// the lease is back.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_shared_pool_page_lent_for_receiving_takes_a_peer_mappings_write() {
+    use crate::{PagePool, PoolConfig, PoolSize};
+    let mut pool = PagePool::new_shared(PoolConfig {
+        layout: LAYOUT,
+        size: PoolSize::Tokens(3 * LAYOUT.page_size_tokens),
+        scrub_on_free: false,
+    })
+    .expect("a memfd pool");
+    assert!(crate::tests::pool(1, false).shared_fd().is_none());
+    let fd = pool
+        .shared_fd()
+        .expect("shared")
+        .try_clone_to_owned()
+        .unwrap();
+    let peer = hugemem::shared::RemotePages::open(fd, pool.page_count(), LAYOUT.page_bytes())
+        .expect("the peer maps the pool");
+    let table = pool
+        .allocate(owner(1, 1), 2 * LAYOUT.page_size_tokens)
+        .unwrap();
+    pool.set_state(&table, PageState::Receiving).unwrap();
+    let leases = pool.lend_for_receive(&table, 1..2).unwrap();
+    let granted = leases[0].page();
+    assert_eq!(granted, table.pages()[1].0 .0);
+    let bytes: Vec<u8> = (0..LAYOUT.page_bytes()).map(|i| i as u8).collect();
+    assert!(peer.write(granted as usize, &bytes));
+    drop(leases);
+    pool.set_state(&table, PageState::Sealed).unwrap();
+    let read = read_all(&mut pool, &table);
+    let page_elems = LAYOUT.page_bytes() / 2;
+    assert_eq!(
+        bytemuck::cast_slice::<f16, u8>(&read[page_elems..]),
+        &bytes[..]
+    );
+    assert!(
+        read[..page_elems].iter().all(|v| *v == f16::ZERO),
+        "page 0 untouched"
+    );
+    pool.release(table).unwrap();
+    pool.check_invariants();
+}

@@ -241,6 +241,8 @@ pub enum Error {
         page_count: usize,
         page_bytes: usize,
     },
+    #[error("cannot create the shared-memory KV pool: {reason}")]
+    SharedMemory { reason: String },
     #[error("out of KV pages: {needed} needed, {free} free")]
     OutOfPages { needed: usize, free: usize },
     #[error("page {page:?} does not exist in this pool")]

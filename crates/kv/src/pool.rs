@@ -87,6 +87,11 @@ impl LentPage {
 pub struct LentPageMut(OwnedPageMut<f16>);
 
 impl LentPageMut {
+    /// The page's index in its pool (what a one-sided writer is granted).
+    pub fn page(&self) -> u32 {
+        self.0.page() as u32
+    }
+
     /// The page's size in bytes.
     pub fn byte_len(&self) -> usize {
         std::mem::size_of_val::<[f16]>(&self.0)
@@ -206,6 +211,31 @@ impl PagePool {
     /// Preallocates every page, zeroed (or filled with [`SCRUB_FILL`] when `scrub_on_free` is
     /// set). Pages are never cleared again unless `scrub_on_free` is set.
     pub fn new(config: PoolConfig) -> Result<PagePool> {
+        PagePool::with_storage(config, |count, len| Ok(PageCells::zeroed(count, len)))
+    }
+
+    /// [`PagePool::new`] in memory that prefill workers on this host may map and write
+    /// granted pages into ([`PagePool::shared_fd`]): a decode worker's pool for the one-sided
+    /// transport.
+    #[cfg(target_os = "linux")]
+    pub fn new_shared(config: PoolConfig) -> Result<PagePool> {
+        PagePool::with_storage(config, |count, len| {
+            PageCells::zeroed_shared(count, len).map_err(|error| Error::SharedMemory {
+                reason: error.to_string(),
+            })
+        })
+    }
+
+    /// The memfd behind a pool made by [`PagePool::new_shared`].
+    #[cfg(target_os = "linux")]
+    pub fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.storage.shared_fd()
+    }
+
+    fn with_storage(
+        config: PoolConfig,
+        storage: impl FnOnce(usize, usize) -> Result<PageCells<f16>>,
+    ) -> Result<PagePool> {
         let layout = config.layout;
         let page_bytes = layout.checked_page_bytes().ok_or(Error::BadLayout {
             layout: config.layout,
@@ -249,7 +279,7 @@ impl PagePool {
                 page_count,
                 page_bytes,
             })?;
-        let storage = Arc::new(PageCells::zeroed(page_count, page_elems));
+        let storage = Arc::new(storage(page_count, page_elems)?);
         // Scrubbing pools start scrubbed, so a never-used page looks like a freed one (the
         // ghost value under `ghost-fill`): a zeroed pool hides stale reads.
         if initial_fill != f16::ZERO {

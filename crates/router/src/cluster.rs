@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use transfer::transport::{spawn_link, Transport};
 use transfer::{
     connect_handshake, ClusterSecret, Expectation, Failure, Frame, HandshakeError, PeerRole,
-    PrefixCounters, Role, TransferCounters, WorkerInfo,
+    PrefixCounters, Role, WorkerInfo,
 };
 
 /// How long to wait before re-opening a broken link.
@@ -204,7 +204,7 @@ impl WorkerClient {
             frames_rejected: 0,
             auth_failures: 0,
             prefix: PrefixCounters::default(),
-            transfer: TransferCounters::default(),
+            transfer: Default::default(),
         };
         if let Some(Frame::PoolStats {
             pages_free,

@@ -170,7 +170,7 @@ pub struct PoolGauges {
     pub frames_rejected: u64,
     pub auth_failures: u64,
     pub prefix: transfer::PrefixCounters,
-    pub transfer: transfer::TransferCounters,
+    pub transfer: transfer::PerTransport,
 }
 
 impl Default for Metrics {
@@ -401,10 +401,6 @@ impl Histogram {
     }
 }
 
-/// The transport every transfer takes today: length-prefixed frames over TCP (or the
-/// in-process pipe tests use, which carries the same frames).
-const TRANSPORT: &str = "tcp";
-
 /// `airlock_transfer_bytes_total` (prefill: page bytes sent; decode: page bytes of verified
 /// transfers) and `airlock_transfer_seconds` (decode: from a transfer's first page frame to
 /// its verified seal), per worker and transport: bandwidth is their ratio.
@@ -416,16 +412,18 @@ fn render_transfer(out: &mut String, pools: &[PoolGauges]) {
          transfers it verified.\n# TYPE {name} counter"
     );
     for pool in pools {
-        let labels = [
-            ("worker", &*pool.worker),
-            ("role", pool.role),
-            ("transport", TRANSPORT),
-        ];
-        let bytes = match pool.role {
-            "prefill" => pool.transfer.bytes_sent,
-            _ => pool.transfer.bytes_received,
-        };
-        let _ = writeln!(out, "{name}{} {bytes}", format_labels(&labels));
+        for (transport, counters) in transfer::TRANSPORTS.iter().zip(pool.transfer.iter()) {
+            let labels = [
+                ("worker", &*pool.worker),
+                ("role", pool.role),
+                ("transport", transport),
+            ];
+            let bytes = match pool.role {
+                "prefill" => counters.bytes_sent,
+                _ => counters.bytes_received,
+            };
+            let _ = writeln!(out, "{name}{} {bytes}", format_labels(&labels));
+        }
     }
     let name = "airlock_transfer_seconds";
     let _ = writeln!(
@@ -434,28 +432,30 @@ fn render_transfer(out: &mut String, pools: &[PoolGauges]) {
          decode worker.\n# TYPE {name} histogram"
     );
     for pool in pools.iter().filter(|pool| pool.role == "decode") {
-        let labels = [
-            ("worker", &*pool.worker),
-            ("role", pool.role),
-            ("transport", TRANSPORT),
-        ];
-        let mut cumulative = 0;
-        for (bound, count) in transfer::TRANSFER_SECONDS_BOUNDS
-            .iter()
-            .zip(pool.transfer.buckets)
-        {
-            cumulative += count;
-            let le = bound.to_string();
-            let labels = format_labels(&[labels[0], labels[1], labels[2], ("le", &le)]);
-            let _ = writeln!(out, "{name}_bucket{labels} {cumulative}");
+        for (transport, counters) in transfer::TRANSPORTS.iter().zip(pool.transfer.iter()) {
+            let labels = [
+                ("worker", &*pool.worker),
+                ("role", pool.role),
+                ("transport", transport),
+            ];
+            let mut cumulative = 0;
+            for (bound, count) in transfer::TRANSFER_SECONDS_BOUNDS
+                .iter()
+                .zip(counters.buckets)
+            {
+                cumulative += count;
+                let le = bound.to_string();
+                let labels = format_labels(&[labels[0], labels[1], labels[2], ("le", &le)]);
+                let _ = writeln!(out, "{name}_bucket{labels} {cumulative}");
+            }
+            let inf = format_labels(&[labels[0], labels[1], labels[2], ("le", "+Inf")]);
+            let transfers = counters.transfers;
+            let _ = writeln!(out, "{name}_bucket{inf} {transfers}");
+            let labels = format_labels(&labels);
+            let seconds = counters.micros_sum as f64 / 1e6;
+            let _ = writeln!(out, "{name}_sum{labels} {seconds}");
+            let _ = writeln!(out, "{name}_count{labels} {transfers}");
         }
-        let inf = format_labels(&[labels[0], labels[1], labels[2], ("le", "+Inf")]);
-        let transfers = pool.transfer.transfers;
-        let _ = writeln!(out, "{name}_bucket{inf} {transfers}");
-        let labels = format_labels(&labels);
-        let seconds = pool.transfer.micros_sum as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum{labels} {seconds}");
-        let _ = writeln!(out, "{name}_count{labels} {transfers}");
     }
 }
 

@@ -13,7 +13,8 @@ use kv::{Partition, RequestId, TenantId};
 /// Version of this encoding and of the transfer protocol; a peer with another version is
 /// refused at the first frame.
 /// Version 2: the accepting side proves itself only after the connecting side has.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// Version 5: the one-sided transport's `GrantAsk`, `WriteGrant`, `WriteAbort`, `WriteAbortAck`.
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -31,6 +32,8 @@ pub fn page_fits_frame(page_bytes: usize) -> bool {
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 pub const MAX_STRING_BYTES: usize = 64 << 10;
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Pages one `WriteGrant` names: a whole prompt of the largest context at one token a page.
+pub const MAX_GRANT_PAGES: usize = 1 << 20;
 
 // The caps must leave every frame a legitimate peer sends inside one frame: a prompt at its
 // cap (4 bytes a token) with every stop string at its cap, and a handshake frame.
@@ -186,6 +189,16 @@ pub const TRANSFER_SECONDS_BOUNDS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
 ];
 
+/// The transports a transfer can take, as `/metrics` labels them: [`PoolStats`] counts
+/// transfers per transport, in this order (frames over TCP or the in-process pipe; one-sided
+/// writes through shared memory).
+///
+/// [`PoolStats`]: Frame::PoolStats
+pub const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
+
+/// [`TransferCounters`] per transport, indexed as [`TRANSPORTS`].
+pub type PerTransport = [TransferCounters; TRANSPORTS.len()];
+
 /// A worker's transfer counters, in its `PoolStats` (they only grow). Prefill counts what it
 /// sent; decode what it received and verified, and how long each verified transfer took.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -305,6 +318,10 @@ wire_enum! {
         AbortAck = 16,
         Challenge = 17,
         Proof = 18,
+        GrantAsk = 19,
+        WriteGrant = 20,
+        WriteAbort = 21,
+        WriteAbortAck = 22,
     }
 }
 
@@ -374,7 +391,7 @@ pub enum Frame {
         auth_failures: u64,
         prefix: PrefixCounters,
         /// Boxed: its histogram would double the size of every frame.
-        transfer: Box<TransferCounters>,
+        transfer: Box<PerTransport>,
     },
     // Prefill -> decode.
     Page {
@@ -401,6 +418,32 @@ pub enum Frame {
     },
     /// The receiver has seen the sender's abort and released its side.
     AbortAck {
+        transfer: TransferId,
+    },
+    // The one-sided transport (prefill and decode on one host, decode's pool mapped by
+    // prefill; see `transport::one_sided`).
+    /// Prefill -> decode: which of your pool's pages may this transfer's pages be written to?
+    /// Binds the reservation to the link it comes on, as a first page frame does.
+    GrantAsk {
+        transfer: TransferId,
+        request: RequestId,
+        tenant: TenantId,
+    },
+    /// Decode -> prefill: the transfer's page `first_index + i` goes to pool page
+    /// `pool_pages[i]` (the pages before `first_index` decode holds from its own cache). An
+    /// empty grant answers an ask no live reservation takes: write nothing.
+    WriteGrant {
+        transfer: TransferId,
+        first_index: u32,
+        pool_pages: Vec<u32>,
+    },
+    /// Decode -> prefill: the reservation is dropped; stop writing into it and say when
+    /// every write already started has landed. Its pages stay quarantined until then.
+    WriteAbort {
+        transfer: TransferId,
+    },
+    /// Prefill -> decode: no write of this transfer is in progress or will start.
+    WriteAbortAck {
         transfer: TransferId,
     },
 }
@@ -557,6 +600,10 @@ impl Frame {
             Frame::Ack { .. } => FrameKind::Ack,
             Frame::Nack { .. } => FrameKind::Nack,
             Frame::AbortAck { .. } => FrameKind::AbortAck,
+            Frame::GrantAsk { .. } => FrameKind::GrantAsk,
+            Frame::WriteGrant { .. } => FrameKind::WriteGrant,
+            Frame::WriteAbort { .. } => FrameKind::WriteAbort,
+            Frame::WriteAbortAck { .. } => FrameKind::WriteAbortAck,
             Frame::Challenge { .. } => FrameKind::Challenge,
             Frame::Proof { .. } => FrameKind::Proof,
         }
@@ -653,15 +700,21 @@ impl Frame {
                     prefix.prefilled_tokens,
                     prefix.pages_sent,
                     prefix.pages_not_sent,
-                    transfer.bytes_sent,
-                    transfer.bytes_received,
-                    transfer.transfers,
-                    transfer.micros_sum,
                 ] {
                     w.u64(counter);
                 }
-                for bucket in transfer.buckets {
-                    w.u64(bucket);
+                for counters in transfer.iter() {
+                    for counter in [
+                        counters.bytes_sent,
+                        counters.bytes_received,
+                        counters.transfers,
+                        counters.micros_sum,
+                    ] {
+                        w.u64(counter);
+                    }
+                    for bucket in counters.buckets {
+                        w.u64(bucket);
+                    }
                 }
             }
             Frame::Page {
@@ -690,7 +743,31 @@ impl Frame {
                 w.u64(transfer.0);
                 w.u64(request.0);
             }
-            Frame::Ack { transfer } | Frame::AbortAck { transfer } => w.u64(transfer.0),
+            Frame::Ack { transfer }
+            | Frame::AbortAck { transfer }
+            | Frame::WriteAbort { transfer }
+            | Frame::WriteAbortAck { transfer } => w.u64(transfer.0),
+            Frame::GrantAsk {
+                transfer,
+                request,
+                tenant,
+            } => {
+                w.u64(transfer.0);
+                w.u64(request.0);
+                w.u64(tenant.0);
+            }
+            Frame::WriteGrant {
+                transfer,
+                first_index,
+                pool_pages,
+            } => {
+                w.u64(transfer.0);
+                w.u32(*first_index);
+                w.u32(pool_pages.len() as u32);
+                for &page in pool_pages {
+                    w.u32(page);
+                }
+            }
             Frame::Nack { transfer, reject } => {
                 w.u64(transfer.0);
                 w.u8(*reject as u8);
@@ -768,19 +845,25 @@ impl Frame {
                     pages_sent: r.u64()?,
                     pages_not_sent: r.u64()?,
                 },
-                transfer: Box::new(TransferCounters {
-                    bytes_sent: r.u64()?,
-                    bytes_received: r.u64()?,
-                    transfers: r.u64()?,
-                    micros_sum: r.u64()?,
-                    buckets: {
-                        let mut buckets = [0; TRANSFER_SECONDS_BOUNDS.len()];
-                        for bucket in &mut buckets {
-                            *bucket = r.u64()?;
-                        }
-                        buckets
-                    },
-                }),
+                transfer: {
+                    let mut per_transport = Box::<PerTransport>::default();
+                    for counters in per_transport.iter_mut() {
+                        *counters = TransferCounters {
+                            bytes_sent: r.u64()?,
+                            bytes_received: r.u64()?,
+                            transfers: r.u64()?,
+                            micros_sum: r.u64()?,
+                            buckets: {
+                                let mut buckets = [0; TRANSFER_SECONDS_BOUNDS.len()];
+                                for bucket in &mut buckets {
+                                    *bucket = r.u64()?;
+                                }
+                                buckets
+                            },
+                        };
+                    }
+                    per_transport
+                },
             },
             FrameKind::Page => {
                 let transfer = TransferId(r.u64()?);
@@ -817,6 +900,31 @@ impl Frame {
                 reject: Reject::from_wire(r.u8()?, "reject")?,
             },
             FrameKind::AbortAck => Frame::AbortAck {
+                transfer: TransferId(r.u64()?),
+            },
+            FrameKind::GrantAsk => Frame::GrantAsk {
+                transfer: TransferId(r.u64()?),
+                request: RequestId(r.u64()?),
+                tenant: TenantId(r.u64()?),
+            },
+            FrameKind::WriteGrant => {
+                let transfer = TransferId(r.u64()?);
+                let first_index = r.u32()?;
+                let len = r.count("pool_pages", MAX_GRANT_PAGES, 4)?;
+                let mut pool_pages = Vec::with_capacity(len);
+                for _ in 0..len {
+                    pool_pages.push(r.u32()?);
+                }
+                Frame::WriteGrant {
+                    transfer,
+                    first_index,
+                    pool_pages,
+                }
+            }
+            FrameKind::WriteAbort => Frame::WriteAbort {
+                transfer: TransferId(r.u64()?),
+            },
+            FrameKind::WriteAbortAck => Frame::WriteAbortAck {
                 transfer: TransferId(r.u64()?),
             },
         };

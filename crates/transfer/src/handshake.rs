@@ -4,7 +4,7 @@
 //! protocol version is checked on every frame by the decoder.
 
 use crate::auth::{nonce, ClusterSecret, CLIENT_LABEL, SERVER_LABEL};
-use crate::transport::{read_frame_limited, write_frame, BoxStream, LinkError};
+use crate::transport::{read_frame_limited, write_frame, ByteStream, LinkError};
 use crate::{DecodeError, Frame, PeerRole, WorkerInfo};
 use std::time::Duration;
 
@@ -132,7 +132,7 @@ impl Expectation {
     }
 }
 
-async fn read(stream: &mut BoxStream) -> Result<Frame, HandshakeError> {
+async fn read<S: ByteStream>(stream: &mut S) -> Result<Frame, HandshakeError> {
     let frame = read_frame_limited(stream, HANDSHAKE_FRAME_BYTES_MAX);
     match tokio::time::timeout(HANDSHAKE_TIMEOUT, frame).await {
         Err(_) => Err(HandshakeError::Timeout),
@@ -152,8 +152,8 @@ async fn read(stream: &mut BoxStream) -> Result<Frame, HandshakeError> {
 /// We prove first: the side that accepts connections hands no proof to a peer that has not
 /// shown it holds the secret, so anyone who can reach a worker port can collect nothing to
 /// guess the secret from. We connect only to addresses we were given.
-pub async fn connect_handshake(
-    stream: &mut BoxStream,
+pub async fn connect_handshake<S: ByteStream>(
+    stream: &mut S,
     peer: PeerRole,
     secret: &ClusterSecret,
     expect: &Expectation,
@@ -195,8 +195,8 @@ pub async fn connect_handshake(
 
 /// The worker's side: send our challenge, check the peer's proof, and only then prove
 /// ourselves and describe ourselves.
-pub async fn accept_handshake(
-    stream: &mut BoxStream,
+pub async fn accept_handshake<S: ByteStream>(
+    stream: &mut S,
     secret: &ClusterSecret,
     info: &WorkerInfo,
 ) -> Result<PeerRole, HandshakeError> {

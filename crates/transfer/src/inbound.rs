@@ -80,6 +80,20 @@ impl Inbound {
         Ok(index)
     }
 
+    /// Checks a one-sided sender's `GrantAsk` against the reservation; on `Ok`, every page
+    /// the sender fills counts as sent: a one-sided write carries no header to check, so what
+    /// stands between decode and a page that was never written is the checksum at `Done`,
+    /// computed over decode's own pages once the writes are over.
+    pub fn grant_writes(&mut self, request: RequestId, tenant: TenantId) -> Result<(), Reject> {
+        if request != self.request || tenant != self.tenant {
+            return Err(Reject::HeaderMismatch);
+        }
+        for received in &mut self.received[self.held_pages..] {
+            *received = true;
+        }
+        Ok(())
+    }
+
     /// Checks `Done` against the reservation: same request and tenant, the token and page
     /// counts the router asked for (never the sender's word alone: a sender that says
     /// "1 token, complete" is the incident), and every page present. The checksum is checked

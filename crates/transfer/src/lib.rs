@@ -1,6 +1,7 @@
 //! The transfer protocol (DESIGN.md, Transfer protocol): the messages every link carries,
 //! their bounded encoding, the checksum, the receiver's verification rules, and the
-//! transports (TCP and in-process) that carry frames.
+//! transports (TCP, Unix sockets with the one-sided shared-memory path, in-process) that
+//! carry frames.
 //!
 //! Invariants kept here: **I4** in part (what a receiver accepts before sealing: header,
 //! counts fixed by the reservation, every page, checksum, in [`Inbound`]); hostile bytes
@@ -14,16 +15,17 @@ mod checksum;
 mod frame;
 pub mod handshake;
 mod inbound;
+pub mod one_sided;
 mod page_bytes;
 pub mod transport;
 
 pub use auth::ClusterSecret;
 pub use checksum::{page_hash, transfer_checksum, TransferHasher};
 pub use frame::{
-    page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, Plan,
+    page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, PerTransport, Plan,
     PrefixCounters, Reject, Role, Sampling, Submit, TransferCounters, TransferDone, TransferId,
     WorkerInfo, MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS, MAX_STRING_BYTES,
-    PAGE_FRAME_OVERHEAD_BYTES_MAX, PROTOCOL_VERSION, TRANSFER_SECONDS_BOUNDS,
+    PAGE_FRAME_OVERHEAD_BYTES_MAX, PROTOCOL_VERSION, TRANSFER_SECONDS_BOUNDS, TRANSPORTS,
 };
 pub use handshake::{accept_handshake, connect_handshake, Expectation, HandshakeError};
 pub use inbound::Inbound;

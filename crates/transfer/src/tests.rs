@@ -118,13 +118,13 @@ fn sample_frames() -> Vec<Frame> {
                 pages_sent: 13,
                 pages_not_sent: 14,
             },
-            transfer: Box::new(crate::TransferCounters {
-                bytes_sent: 15,
+            transfer: Box::new(std::array::from_fn(|t| crate::TransferCounters {
+                bytes_sent: 15 + 100 * t as u64,
                 bytes_received: 16,
                 transfers: 17,
                 micros_sum: 18,
                 buckets: std::array::from_fn(|i| 19 + i as u64),
-            }),
+            })),
         },
         Frame::Page {
             transfer: TransferId(99),
@@ -154,6 +154,22 @@ fn sample_frames() -> Vec<Frame> {
             reject: Reject::ChecksumMismatch,
         },
         Frame::AbortAck {
+            transfer: TransferId(99),
+        },
+        Frame::GrantAsk {
+            transfer: TransferId(99),
+            request: RequestId(7),
+            tenant: TenantId(3),
+        },
+        Frame::WriteGrant {
+            transfer: TransferId(99),
+            first_index: 1,
+            pool_pages: vec![5, 0, 17],
+        },
+        Frame::WriteAbort {
+            transfer: TransferId(99),
+        },
+        Frame::WriteAbortAck {
             transfer: TransferId(99),
         },
     ]

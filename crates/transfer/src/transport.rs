@@ -114,6 +114,15 @@ pub trait PageSink: Send + Sync + 'static {
     /// `done` arrived on this link, after every page frame before it landed: no byte of its
     /// transfer may land once this returns. Called before the frame is passed on.
     fn closing(&self, done: &TransferDone);
+    /// A one-sided prefill asks where `transfer`'s pages may be written: the answer to send
+    /// back (`WriteGrant`, or `Nack`). Answered by the reader, so a grant never waits for the
+    /// engine's step. A sink that takes frames only refuses.
+    fn grant(&self, transfer: TransferId, _request: RequestId, _tenant: TenantId) -> Frame {
+        Frame::Nack {
+            transfer,
+            reject: crate::Reject::UnknownTransfer,
+        }
+    }
 }
 
 /// A page frame's body up to its bytes: magic, version, kind, transfer, request, tenant,
@@ -245,6 +254,12 @@ pub struct LinkTasks {
     writer: JoinHandle<()>,
 }
 
+impl LinkTasks {
+    pub(crate) fn new(reader: JoinHandle<()>, writer: JoinHandle<()>) -> LinkTasks {
+        LinkTasks { reader, writer }
+    }
+}
+
 impl Drop for LinkTasks {
     fn drop(&mut self) {
         self.reader.abort();
@@ -271,6 +286,8 @@ pub fn spawn_link_with_sink(
     let (in_tx, in_rx) = mpsc::channel(INBOUND_FRAMES_MAX);
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Frame>();
     let reader_name = name.clone();
+    // Weak: the reader's answers must not keep the write side open once the owner lets go.
+    let answers = out_tx.downgrade();
     let reader = tokio::spawn(async move {
         loop {
             let read = match &sink {
@@ -280,6 +297,16 @@ pub fn spawn_link_with_sink(
                     .map(|frame| frame.map(Some)),
             };
             match read {
+                Ok(Some(Some(Frame::GrantAsk {
+                    transfer,
+                    request,
+                    tenant,
+                }))) if sink.is_some() => {
+                    let sink = sink.as_ref().expect("matched");
+                    if let Some(answers) = answers.upgrade() {
+                        let _ = answers.send(sink.grant(transfer, request, tenant));
+                    }
+                }
                 Ok(Some(Some(frame))) => {
                     if in_tx.send(frame).await.is_err() {
                         return;
@@ -319,6 +346,35 @@ impl Transport for Tcp {
             let stream = tokio::net::TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
             Ok(Box::new(stream) as BoxStream)
+        })
+    }
+}
+
+/// The address prefix of a Unix socket path (`unix:/run/airlock/decode.sock`): a worker on
+/// this host, reached without TCP, whose prefill links use the one-sided transport.
+pub const UNIX_PREFIX: &str = "unix:";
+
+/// The socket path of a `unix:` address.
+pub fn unix_path(addr: &str) -> Option<&str> {
+    addr.strip_prefix(UNIX_PREFIX)
+}
+
+/// A Unix socket at `path`.
+pub async fn connect_unix(path: &str) -> io::Result<tokio::net::UnixStream> {
+    tokio::net::UnixStream::connect(path).await
+}
+
+/// TCP for `host:port`, a Unix socket for `unix:PATH`: how a router reaches workers of both
+/// kinds.
+pub struct Net;
+
+impl Transport for Net {
+    fn connect<'a>(&'a self, addr: &'a str) -> BoxFuture<'a, io::Result<BoxStream>> {
+        Box::pin(async move {
+            match unix_path(addr) {
+                Some(path) => Ok(Box::new(connect_unix(path).await?) as BoxStream),
+                None => Tcp.connect(addr).await,
+            }
         })
     }
 }

@@ -29,6 +29,9 @@
 //! | `no-preflight` | guard off | only the start-up check (I8) is skipped: the worker runs with a pool smaller than its context and advertises its real capacity, so admission must refuse what it cannot hold |
 //! | `no-transfer-verify` | guard off | decode seals a transfer without checking counts, pages or checksum (I4) |
 //! | `no-owner-check` | guard off | the pool skips the owner/generation compare on reads (I1), and the tenant compare of shared prefix-cache pages everywhere |
+//! | `delay-writes=MS` | prefill one-sided write | each posted page write waits MS milliseconds before it copies (a stalled transport: writes land after an abort); `@N` delays only each link's N-th transfer |
+//! | `abort-ack-early` | guard off | prefill answers decode's `WriteAbort` at once, while its posted writes may still land (the spec's `AbortAckBeforeQuiescence`) |
+//! | `no-write-quarantine` | guard off | decode frees a reservation a one-sided prefill may still write into at once, as it may a framed one (the spec's `ImmediateRelease`) |
 //! | `cache-ignores-tenant` | guard off | the prefix index forgets the tenant: any tenant's cached pages match a prompt (I10's first guard; the pool's tenant check is the second) |
 
 use std::time::Duration;
@@ -110,6 +113,14 @@ mod imp_off {
         pub(crate) fn crash_on_page(&mut self, _index: usize) -> bool {
             false
         }
+        #[inline(always)]
+        pub(crate) fn write_quarantined(&self) -> bool {
+            true
+        }
+        #[inline(always)]
+        pub fn one_sided_writer(&self) -> transfer::one_sided::WriterFaults {
+            transfer::one_sided::WriterFaults::default()
+        }
     }
 }
 #[cfg(not(feature = "fault-injection"))]
@@ -186,6 +197,9 @@ mod imp {
         NoTransferVerify,
         NoOwnerCheck,
         CacheIgnoresTenant,
+        DelayWrites(Duration),
+        AbortAckEarly,
+        NoWriteQuarantine,
     }
 
     #[derive(Clone, Copy, Debug, PartialEq)]
@@ -333,6 +347,30 @@ mod imp {
             !self.has(Fault::CacheIgnoresTenant)
         }
 
+        /// Whether decode quarantines a dropped reservation a one-sided prefill may still
+        /// write into.
+        pub(crate) fn write_quarantined(&self) -> bool {
+            !self.has(Fault::NoWriteQuarantine)
+        }
+
+        /// The faults of a one-sided link's writer (prefill).
+        /// `delay-writes@N` delays the writes of each link's N-th transfer only; any other
+        /// `when`, those of every transfer.
+        pub fn one_sided_writer(&self) -> transfer::one_sided::WriterFaults {
+            let delay = self.rules.iter().find_map(|rule| match rule.fault {
+                Fault::DelayWrites(delay) => Some((delay, rule.when)),
+                _ => None,
+            });
+            transfer::one_sided::WriterFaults {
+                write_delay: delay.map(|(delay, _)| delay),
+                delayed_transfer: match delay {
+                    Some((_, When::Nth(n))) => Some(n),
+                    _ => None,
+                },
+                ack_before_quiescence: self.has(Fault::AbortAckEarly),
+            }
+        }
+
         pub(crate) fn incident(&mut self) -> bool {
             self.fires(|f| f == Fault::Incident).is_some()
         }
@@ -454,6 +492,9 @@ mod imp {
             "no-transfer-verify" => Fault::NoTransferVerify,
             "no-owner-check" => Fault::NoOwnerCheck,
             "cache-ignores-tenant" => Fault::CacheIgnoresTenant,
+            "delay-writes" => Fault::DelayWrites(millis(argument)?),
+            "abort-ack-early" => Fault::AbortAckEarly,
+            "no-write-quarantine" => Fault::NoWriteQuarantine,
             other => {
                 return Err(FaultPlanError(format!(
                     "unknown fault `{other}` (see worker/src/faults.rs for the list)"

@@ -22,4 +22,4 @@ pub use engine::{Engine, Event, LinkId, LinkKind};
 #[cfg(feature = "fault-injection")]
 pub use faults::{Fault, When};
 pub use faults::{FaultPlan, FaultPlanError};
-pub use net::{start_worker, Listener, Worker};
+pub use net::{start_worker, start_worker_on, Listener, Worker};

@@ -1,21 +1,30 @@
 //! The worker's network side: accepts links, greets each with this worker's `Hello`, opens
 //! links to decode workers on a prefill's behalf, and turns all of it into engine events.
+//!
+//! Links come over TCP, or over a Unix socket from a process on this host. A prefill that
+//! links to a decode worker over a Unix socket gets decode's pool (a memfd) and writes pages
+//! into it one-sidedly (`transfer::one_sided`); over TCP it sends page frames.
 
-use crate::engine::{Engine, Event, LinkId, LinkKind, PageSinks};
+use crate::engine::{Engine, Event, LinkId, LinkKind, OneSidedPeer, PageSinks};
 use crate::refusals::{RefusalLog, HANDSHAKES_PENDING_MAX, REFUSAL_LOG_INTERVAL};
 use crate::WorkerConfig;
 use gguf::Tokenizer;
+use hugemem::shared::WriteFence;
 use kv::PagePool;
 use model::Forward;
 use std::collections::HashMap;
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
+use transfer::one_sided::{accept_pool, offer_pool, spawn_one_sided_link};
+use transfer::transport::{connect_unix, unix_path};
 use transfer::transport::{spawn_link, spawn_link_with_sink, BoxStream, Link, Transport};
 use transfer::{
     accept_handshake, connect_handshake, ClusterSecret, Expectation, Failure, Frame,
@@ -25,36 +34,48 @@ use transfer::{
 /// Where a worker's links come from.
 pub enum Listener {
     Tcp(TcpListener),
+    /// Processes on this host; a decode worker's prefill links over it are one-sided.
+    Unix(UnixListener),
     InProcess(tokio::sync::mpsc::Receiver<BoxStream>),
 }
 
+/// An accepted stream: Unix sockets stay typed, for the pool offer and the peer's pid.
+enum Accepted {
+    Stream(BoxStream),
+    Unix(UnixStream),
+}
+
 impl Listener {
-    async fn accept(&mut self) -> io::Result<BoxStream> {
+    async fn accept(&mut self) -> io::Result<Accepted> {
         match self {
             Listener::Tcp(listener) => {
                 let (stream, _) = listener.accept().await?;
                 stream.set_nodelay(true)?;
-                Ok(Box::new(stream))
+                Ok(Accepted::Stream(Box::new(stream)))
             }
+            Listener::Unix(listener) => Ok(Accepted::Unix(listener.accept().await?.0)),
             Listener::InProcess(incoming) => incoming
                 .recv()
                 .await
+                .map(Accepted::Stream)
                 .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "endpoint closed")),
         }
     }
 }
 
-/// A running worker. Dropping it stops the engine and the accept loop.
+/// A running worker. Dropping it stops the engine and the accept loops.
 pub struct Worker {
     pub info: WorkerInfo,
     events: mpsc::Sender<Event>,
-    accept: JoinHandle<()>,
+    accept: Vec<JoinHandle<()>>,
     engine: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.accept.abort();
+        for accept in &self.accept {
+            accept.abort();
+        }
         let _ = self.events.send(Event::Shutdown);
         if let Some(engine) = self.engine.take() {
             let _ = engine.join();
@@ -79,7 +100,23 @@ pub fn start_worker(
     model: impl Forward,
     tokenizer: Tokenizer,
     pool: PagePool,
-    mut listener: Listener,
+    listener: Listener,
+    transport: Arc<dyn Transport>,
+    secret: ClusterSecret,
+) -> io::Result<Worker> {
+    let listeners = vec![listener];
+    start_worker_on(config, model, tokenizer, pool, listeners, transport, secret)
+}
+
+/// [`start_worker`] accepting links from several listeners (TCP for other hosts, a Unix
+/// socket for this one). A decode worker whose pool is shared ([`PagePool::new_shared`])
+/// offers it to the prefills that link over a Unix socket.
+pub fn start_worker_on(
+    config: WorkerConfig,
+    model: impl Forward,
+    tokenizer: Tokenizer,
+    pool: PagePool,
+    listeners: Vec<Listener>,
     transport: Arc<dyn Transport>,
     secret: ClusterSecret,
 ) -> io::Result<Worker> {
@@ -106,6 +143,15 @@ pub fn start_worker(
         kv_bytes: pool.bytes() as u64,
         epoch: random_epoch(),
     };
+    let shared_pool = match pool.shared_fd() {
+        Some(fd) => Some(SharedPoolOffer {
+            fd: fd.try_clone_to_owned()?,
+            page_count: pool.page_count() as u32,
+        }),
+        None => None,
+    };
+    let page_bytes = pool.layout().page_bytes();
+    let faults = config.faults.clone();
     let (events, events_rx) = mpsc::channel();
     let engine = Engine::new(config, Box::new(model), tokenizer, pool);
     let page_sinks = engine.page_sinks();
@@ -129,35 +175,54 @@ pub fn start_worker(
         peers: AsyncMutex::new(HashMap::new()),
         page_sinks,
         refusal_log: RefusalLog::new(REFUSAL_LOG_INTERVAL),
+        shared_pool,
+        page_bytes,
+        faults,
     });
     let handshakes = Arc::new(Semaphore::new(HANDSHAKES_PENDING_MAX));
-    let accept = tokio::spawn(async move {
-        loop {
-            match listener.accept().await {
-                Ok(stream) => {
-                    let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
-                        // As many peers are mid-handshake as we allow: this one is closed
-                        // unanswered, and a linked peer retries.
-                        shared.log_refusal("too many links in their handshake");
-                        continue;
-                    };
-                    let shared = shared.clone();
-                    tokio::spawn(async move { shared.serve_link(stream, handshake).await });
-                }
-                Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return,
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-    });
+    let accept = listeners
+        .into_iter()
+        .map(|listener| tokio::spawn(accept_loop(listener, shared.clone(), handshakes.clone())))
+        .collect();
     Ok(Worker {
         info,
         events,
         accept,
         engine: Some(engine),
     })
+}
+
+async fn accept_loop(mut listener: Listener, shared: Arc<Shared>, handshakes: Arc<Semaphore>) {
+    loop {
+        match listener.accept().await {
+            Ok(stream) => {
+                let Ok(handshake) = handshakes.clone().try_acquire_owned() else {
+                    // As many peers are mid-handshake as we allow: this one is closed
+                    // unanswered, and a linked peer retries.
+                    shared.log_refusal("too many links in their handshake");
+                    continue;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move {
+                    match stream {
+                        Accepted::Stream(stream) => shared.serve_link(stream, handshake).await,
+                        Accepted::Unix(stream) => shared.serve_unix_link(stream, handshake).await,
+                    }
+                });
+            }
+            Err(error) if error.kind() == io::ErrorKind::BrokenPipe => return,
+            Err(error) => {
+                tracing::warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// A decode worker's shared pool, as offered to one-sided prefills.
+struct SharedPoolOffer {
+    fd: OwnedFd,
+    page_count: u32,
 }
 
 struct Shared {
@@ -170,6 +235,11 @@ struct Shared {
     /// Land the page frames of prefill workers' links straight in reserved pages.
     page_sinks: PageSinks,
     refusal_log: RefusalLog,
+    /// Decode: the pool prefills on this host may write into.
+    shared_pool: Option<SharedPoolOffer>,
+    page_bytes: usize,
+    /// Prefill: the faults of its one-sided links' writers (test builds only).
+    faults: crate::FaultPlan,
 }
 
 impl Shared {
@@ -186,29 +256,89 @@ impl Shared {
     async fn serve_link(self: Arc<Self>, mut stream: BoxStream, handshake: OwnedSemaphorePermit) {
         let greeted = accept_handshake(&mut stream, &self.secret, &self.info).await;
         drop(handshake);
-        let kind = match greeted {
-            Ok(PeerRole::Router) => LinkKind::Router,
-            Ok(PeerRole::Prefill) if self.info.role == Role::Decode => LinkKind::PrefillPeer,
+        let Some(kind) = self.link_kind(greeted) else {
+            return;
+        };
+        self.run_link(stream, kind, None).await;
+    }
+
+    /// [`Shared::serve_link`] for a process on this host: a prefill linking to a decode
+    /// worker gets its pool and the link's write fence, and writes pages one-sidedly.
+    async fn serve_unix_link(
+        self: Arc<Self>,
+        mut stream: UnixStream,
+        handshake: OwnedSemaphorePermit,
+    ) {
+        let greeted = accept_handshake(&mut stream, &self.secret, &self.info).await;
+        drop(handshake);
+        let Some(kind) = self.link_kind(greeted) else {
+            return;
+        };
+        let mut one_sided = None;
+        if kind == LinkKind::PrefillPeer {
+            match self.offer_pool(&stream).await {
+                Ok(peer) => one_sided = Some(peer),
+                Err(error) => {
+                    self.log_refusal(&format!("cannot offer the pool: {error}"));
+                    return;
+                }
+            }
+        }
+        self.run_link(Box::new(stream), kind, one_sided).await;
+    }
+
+    async fn offer_pool(&self, stream: &UnixStream) -> io::Result<OneSidedPeer> {
+        let Some(pool) = &self.shared_pool else {
+            return Err(io::Error::other(
+                "this decode worker's pool is not shared (start it with a KV socket)",
+            ));
+        };
+        let fence = WriteFence::create()?;
+        let page_bytes = self.page_bytes as u64;
+        offer_pool(stream, pool.fd.as_fd(), pool.page_count, page_bytes, &fence).await?;
+        let pid = stream.peer_cred().ok().and_then(|cred| cred.pid());
+        Ok(OneSidedPeer {
+            fence: Arc::new(fence),
+            pid,
+        })
+    }
+
+    /// What a greeted peer is to this worker, or `None` (logged) if it may not link.
+    fn link_kind(&self, greeted: Result<PeerRole, HandshakeError>) -> Option<LinkKind> {
+        match greeted {
+            Ok(PeerRole::Router) => Some(LinkKind::Router),
+            Ok(PeerRole::Prefill) if self.info.role == Role::Decode => Some(LinkKind::PrefillPeer),
             Ok(PeerRole::Prefill) => {
                 self.log_refusal("only decode workers take pages");
-                return;
+                None
             }
             Err(error) => {
                 self.log_refusal(&error.to_string());
                 if matches!(error, HandshakeError::Auth) {
                     let _ = self.events.send(Event::AuthFailure);
                 }
-                return;
+                None
             }
-        };
+        }
+    }
+
+    /// A greeted link, until it closes.
+    async fn run_link(
+        self: Arc<Self>,
+        stream: BoxStream,
+        kind: LinkKind,
+        one_sided: Option<OneSidedPeer>,
+    ) {
         let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
+        let is_one_sided = one_sided.is_some();
         let sink = (kind == LinkKind::PrefillPeer)
-            .then(|| self.page_sinks.for_link(id, self.events.clone()));
+            .then(|| self.page_sinks.for_link(id, self.events.clone(), one_sided));
         let mut link = spawn_link_with_sink(stream, format!("{}-in", self.info.name), sink);
         let up = Event::LinkUp {
             link: id,
             kind,
             tx: link.tx.clone(),
+            one_sided: is_one_sided,
         };
         if self.events.send(up).is_err() {
             return;
@@ -258,6 +388,7 @@ impl Shared {
             link: id,
             kind: LinkKind::DecodePeer,
             tx: link.tx.clone(),
+            one_sided: unix_path(addr).is_some(),
         };
         self.events
             .send(up)
@@ -285,6 +416,9 @@ impl Shared {
     /// Opens, authenticates and checks a link to a decode worker: same model, weights, KV
     /// layout and context as this prefill (I8), or no pages go there.
     async fn connect_peer(&self, addr: &str) -> Result<Link, String> {
+        if let Some(path) = unix_path(addr) {
+            return self.connect_one_sided_peer(addr, path).await;
+        }
         let mut stream = self
             .transport
             .connect(addr)
@@ -301,6 +435,35 @@ impl Shared {
             ));
         }
         Ok(spawn_link(stream, format!("{}-to-{addr}", self.info.name)))
+    }
+
+    /// [`Shared::connect_peer`] over a Unix socket: after the same checks, maps the decode
+    /// worker's pool and writes pages into it one-sidedly.
+    async fn connect_one_sided_peer(&self, addr: &str, path: &str) -> Result<Link, String> {
+        let mut stream = connect_unix(path)
+            .await
+            .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
+        let expect = Expectation::of(&self.info);
+        let info = connect_handshake(&mut stream, PeerRole::Prefill, &self.secret, &expect)
+            .await
+            .map_err(|error| format!("decode worker {addr} refused: {error}"))?;
+        if info.role != Role::Decode {
+            return Err(format!(
+                "worker {addr} is a {:?} worker, not decode",
+                info.role
+            ));
+        }
+        let pool = accept_pool(&stream, self.page_bytes)
+            .await
+            .map_err(|error| format!("decode worker {addr} shared no pool: {error}"))?;
+        let name = format!("{}-to-{addr}", self.info.name);
+        let faults = self.faults.one_sided_writer();
+        Ok(spawn_one_sided_link(
+            Box::new(stream),
+            name,
+            Arc::new(pool),
+            faults,
+        ))
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
-use transfer::transport::Tcp;
+use transfer::transport::Net;
 use transfer::{ClusterSecret, Expectation, Role};
 use worker::{start_worker, Listener, Worker, WorkerConfig};
 
@@ -73,7 +73,20 @@ pub struct Options {
     pub cors_allow_origins: Vec<String>,
     /// The router's switch for prefix reuse (`--no-prefix-cache` turns it off).
     pub prefix_cache: bool,
+    /// How pages get from prefill to decode (disaggregated only).
+    pub kv_transport: KvTransport,
 }
+
+/// `serve --kv-transport`: frames over TCP, or one-sided writes into decode's pool through
+/// shared memory, with control frames over a Unix socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvTransport {
+    Tcp,
+    Shm,
+}
+
+/// Both transports, for the tests that must hold on each.
+pub const KV_TRANSPORTS: [KvTransport; 2] = [KvTransport::Tcp, KvTransport::Shm];
 
 impl Options {
     pub fn new(mode: Mode) -> Options {
@@ -102,6 +115,8 @@ impl Options {
             body_timeout: Duration::from_secs(30),
             cors_allow_origins: Vec::new(),
             prefix_cache: true,
+            // What `serve` uses by default.
+            kv_transport: KvTransport::Shm,
         }
     }
 }
@@ -112,6 +127,32 @@ pub struct TestServer {
     pub worker_addresses: Vec<String>,
     server: JoinHandle<()>,
     _workers: Vec<Worker>,
+    /// The decode worker's Unix socket's directory (shared-memory transport).
+    _socket_dir: Option<SocketDir>,
+}
+
+/// A private directory for a decode worker's Unix socket, removed on drop.
+pub struct SocketDir(std::path::PathBuf);
+
+impl SocketDir {
+    pub fn new() -> SocketDir {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("airlock-it-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("socket directory");
+        SocketDir(dir)
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl Drop for TestServer {
@@ -182,23 +223,42 @@ pub fn start(options: Options) -> TestServer {
         head_dim: layout.head_dim as u32,
         context_length: Some(context_length as u32),
     };
+    let socket_dir = (options.kv_transport == KvTransport::Shm
+        && options.mode == Mode::Disaggregated)
+        .then(SocketDir::new);
     runtime().block_on(async {
         let mut workers = Vec::new();
         let mut addresses = Vec::new();
         for &role in roles {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            let address = listener.local_addr().expect("address").to_string();
+            let (listener, address) = match (&socket_dir, role) {
+                (Some(dir), Role::Decode) => {
+                    let path = dir.path().join("decode.sock");
+                    let listener = tokio::net::UnixListener::bind(&path).expect("bind");
+                    (Listener::Unix(listener), format!("unix:{}", path.display()))
+                }
+                _ => {
+                    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                        .await
+                        .expect("bind");
+                    let address = listener.local_addr().expect("address").to_string();
+                    (Listener::Tcp(listener), address)
+                }
+            };
+            let shared_pool = matches!(listener, Listener::Unix(_));
             let kv_tokens = match role {
                 Role::Prefill => options.prefill_kv_tokens.unwrap_or(options.kv_tokens),
                 _ => options.kv_tokens,
             };
-            let pool = PagePool::new(PoolConfig {
+            let pool_config = PoolConfig {
                 layout,
                 size: PoolSize::Tokens(kv_tokens),
                 scrub_on_free: options.scrub_on_free,
-            })
+            };
+            let pool = if shared_pool {
+                PagePool::new_shared(pool_config)
+            } else {
+                PagePool::new(pool_config)
+            }
             .expect("pool");
             let faults = options
                 .faults
@@ -222,16 +282,15 @@ pub fn start(options: Options) -> TestServer {
             let worker = match options.backend {
                 Backend::Real => {
                     let loaded = load_model_with(options.kernels);
-                    let listener = Listener::Tcp(listener);
-                    let tcp = Arc::new(Tcp);
                     let (model, tokenizer) = (loaded.model, loaded.tokenizer);
+                    let net = Arc::new(Net);
                     start_worker(
                         config,
                         model,
                         tokenizer,
                         pool,
                         listener,
-                        tcp,
+                        net,
                         secret.clone(),
                     )
                 }
@@ -240,8 +299,8 @@ pub fn start(options: Options) -> TestServer {
                     oracle.clone(),
                     file.tokenizer.clone(),
                     pool,
-                    Listener::Tcp(listener),
-                    Arc::new(Tcp),
+                    listener,
+                    Arc::new(Net),
                     secret.clone(),
                 ),
             }
@@ -252,7 +311,7 @@ pub fn start(options: Options) -> TestServer {
         let worker_addresses = addresses.iter().map(|(a, _)| a.clone()).collect();
         addresses.extend(options.extra_workers.iter().cloned());
         let metrics = Arc::new(Metrics::new());
-        let cluster = Cluster::connect(addresses, expect, secret, Arc::new(Tcp), metrics.clone());
+        let cluster = Cluster::connect(addresses, expect, secret, Arc::new(Net), metrics.clone());
         if options.extra_workers.is_empty() {
             assert!(
                 cluster.wait_ready(Duration::from_secs(30)).await,
@@ -298,6 +357,7 @@ pub fn start(options: Options) -> TestServer {
             worker_addresses,
             server,
             _workers: workers,
+            _socket_dir: socket_dir,
         }
     })
 }

@@ -8,7 +8,9 @@
 //! by echoing what it read otherwise, so "oracle-exact" is a string compare and a leak shows
 //! the other tenant's marker in the text.
 
-use crate::harness::{self, post_raw, wait_idle, Answer, Backend, Mode, Options, MODEL};
+use crate::harness::{
+    self, post_raw, wait_idle, Answer, Backend, KvTransport, Mode, Options, KV_TRANSPORTS, MODEL,
+};
 use model::OracleModel;
 use std::time::Duration;
 use transfer::Role;
@@ -234,8 +236,10 @@ fn each_transfer_fault_gets_its_outcome_and_spares_the_rest() {
             500,
         ),
     ];
-    for &(case, role, fault, status) in cases {
+    for (transport, &(case, role, fault, status)) in on_each_transport(cases) {
+        let case = format!("{case} over {transport:?}");
         let mut options = oracle_options();
+        options.kv_transport = transport;
         options.faults = vec![(role, plan(&[(fault, When::Nth(0))]))];
         let server = harness::start(options);
         harness::runtime().block_on(async {
@@ -274,8 +278,13 @@ fn the_incident_is_stopped_by_admission_then_by_verification_and_leaks_without_t
         (&[incident, no_admission], &[], 503),
         (&[incident, no_admission], &[no_verify], 200),
     ];
-    for (stage, &(prefill, decode, status)) in stages.iter().enumerate() {
+    for (transport, (stage, &(prefill, decode, status))) in
+        on_each_transport(&stages.iter().enumerate().collect::<Vec<_>>())
+            .map(|(t, &(stage, rules))| (t, (stage, rules)))
+    {
+        let stage = format!("{stage} over {transport:?}");
         let mut options = oracle_options();
+        options.kv_transport = transport;
         // The incident's setup: a prefill pool smaller than the context length, and pages
         // reused unscrubbed (the production default), so stale KV is another tenant's.
         options.prefill_kv_tokens = Some(128);
@@ -344,36 +353,39 @@ fn fault_soup_keeps_every_answer_in_its_allowed_set() {
         .unwrap_or(2026);
     let prefill = "drop-page@4%;duplicate-page@4%;reorder@4%;done-early@4%;corrupt-page@4%;\
                    foreign-page@4%;truncate@4%;delay-done=40@4%";
-    let mut options = oracle_options();
-    options.faults = vec![
-        (
-            Role::Prefill,
-            FaultPlan::parse(prefill, seed).expect("plan"),
-        ),
-        (
-            Role::Decode,
-            FaultPlan::parse("stall-ack=40@5%", seed + 1).expect("plan"),
-        ),
-    ];
-    let server = harness::start(options);
-    harness::runtime().block_on(async {
-        let (mut ok, mut failed) = (0, 0);
-        for round in 0..5 {
-            for outcome in burst(&server.url, 10, round * 10).await {
-                outcome.assert_clean();
-                match outcome.answer.status {
-                    200 => ok += 1,
-                    503 | 504 => failed += 1,
-                    other => panic!("seed {seed}: status {other}: {}", outcome.answer.body),
+    for transport in KV_TRANSPORTS {
+        let mut options = oracle_options();
+        options.kv_transport = transport;
+        options.faults = vec![
+            (
+                Role::Prefill,
+                FaultPlan::parse(prefill, seed).expect("plan"),
+            ),
+            (
+                Role::Decode,
+                FaultPlan::parse("stall-ack=40@5%", seed + 1).expect("plan"),
+            ),
+        ];
+        let server = harness::start(options);
+        harness::runtime().block_on(async {
+            let (mut ok, mut failed) = (0, 0);
+            for round in 0..5 {
+                for outcome in burst(&server.url, 10, round * 10).await {
+                    outcome.assert_clean();
+                    match outcome.answer.status {
+                        200 => ok += 1,
+                        503 | 504 => failed += 1,
+                        other => panic!("seed {seed}: status {other}: {}", outcome.answer.body),
+                    }
                 }
             }
-        }
-        assert!(
-            ok > 0 && failed > 0,
-            "seed {seed}: {ok} ok, {failed} failed"
-        );
-        assert_idle(&server.url).await;
-    });
+            assert!(
+                ok > 0 && failed > 0,
+                "seed {seed} over {transport:?}: {ok} ok, {failed} failed"
+            );
+            assert_idle(&server.url).await;
+        });
+    }
 }
 
 /// The canary side of the table above: the same transfer faults with decode's transfer
@@ -387,8 +399,10 @@ fn with_transfer_verification_off_the_same_faults_corrupt_answers() {
         ("T05 flip a bit", Fault::CorruptPage),
         ("T08 truncated transfer", Fault::Truncate),
     ];
-    for &(case, fault) in cases {
+    for (transport, &(case, fault)) in on_each_transport(cases) {
+        let case = format!("{case} over {transport:?}");
         let mut options = oracle_options();
+        options.kv_transport = transport;
         options.faults = vec![
             (Role::Prefill, plan(&[(fault, When::Nth(0))])),
             (
@@ -468,8 +482,12 @@ fn a_client_leaving_at_any_phase_leaves_no_page_behind() {
         ("L03 mid-transfer", "delay-done=400", "", 512, 60, 4, false),
         ("L04 mid-decode", "", "slow-step=20", 512, 10, 200, true),
     ];
-    for &(case, prefill, decode, kv_tokens, words, max_tokens, stream) in cases {
+    for (transport, &(case, prefill, decode, kv_tokens, words, max_tokens, stream)) in
+        on_each_transport(cases)
+    {
+        let case = format!("{case} over {transport:?}");
         let mut options = oracle_options();
+        options.kv_transport = transport;
         options.kv_tokens = kv_tokens;
         options.faults = vec![
             (Role::Prefill, FaultPlan::parse(prefill, 1).expect("plan")),
@@ -510,60 +528,63 @@ fn a_client_leaving_at_any_phase_leaves_no_page_behind() {
 /// back.
 #[test]
 fn aborts_racing_completion_free_every_page_exactly_once() {
-    let mut options = oracle_options();
-    options.faults = vec![
-        (
-            Role::Prefill,
-            FaultPlan::parse("slow-step=1", 1).expect("plan"),
-        ),
-        (
-            Role::Decode,
-            FaultPlan::parse("slow-step=2", 1).expect("plan"),
-        ),
-    ];
-    let server = harness::start(options);
-    harness::runtime().block_on(async {
-        let mut tasks = Vec::new();
-        for i in 0..48 {
-            let url = server.url.clone();
-            let tenant = if i % 2 == 0 { ALICE } else { BOB };
-            let leave = Duration::from_millis(5 + (i as u64 * 37) % 300);
-            tasks.push(tokio::spawn(async move {
-                ask_and_leave(
-                    &url,
-                    tenant,
-                    tenant.prompt(i, 30),
-                    MAX_TOKENS,
-                    i % 3 == 0,
-                    leave,
-                )
-                .await
-            }));
-        }
-        let (mut finished, mut left) = (0, 0);
-        for task in tasks {
-            match task.await.expect("task") {
-                Some(outcome) if outcome.answer.body.starts_with("data:") => {
-                    assert_eq!(outcome.answer.status, 200);
-                    assert!(!outcome.answer.body.contains(outcome.tenant.other().marker));
-                    finished += 1;
-                }
-                Some(outcome) => {
-                    outcome.assert_exact();
-                    finished += 1;
-                }
-                None => left += 1,
+    for transport in KV_TRANSPORTS {
+        let mut options = oracle_options();
+        options.kv_transport = transport;
+        options.faults = vec![
+            (
+                Role::Prefill,
+                FaultPlan::parse("slow-step=1", 1).expect("plan"),
+            ),
+            (
+                Role::Decode,
+                FaultPlan::parse("slow-step=2", 1).expect("plan"),
+            ),
+        ];
+        let server = harness::start(options);
+        harness::runtime().block_on(async {
+            let mut tasks = Vec::new();
+            for i in 0..48 {
+                let url = server.url.clone();
+                let tenant = if i % 2 == 0 { ALICE } else { BOB };
+                let leave = Duration::from_millis(5 + (i as u64 * 37) % 300);
+                tasks.push(tokio::spawn(async move {
+                    ask_and_leave(
+                        &url,
+                        tenant,
+                        tenant.prompt(i, 30),
+                        MAX_TOKENS,
+                        i % 3 == 0,
+                        leave,
+                    )
+                    .await
+                }));
             }
-        }
-        assert!(
-            finished > 0 && left > 0,
-            "{finished} finished, {left} left: no race"
-        );
-        assert_idle(&server.url).await;
-        for outcome in burst(&server.url, 2, 100).await {
-            outcome.assert_exact();
-        }
-    });
+            let (mut finished, mut left) = (0, 0);
+            for task in tasks {
+                match task.await.expect("task") {
+                    Some(outcome) if outcome.answer.body.starts_with("data:") => {
+                        assert_eq!(outcome.answer.status, 200);
+                        assert!(!outcome.answer.body.contains(outcome.tenant.other().marker));
+                        finished += 1;
+                    }
+                    Some(outcome) => {
+                        outcome.assert_exact();
+                        finished += 1;
+                    }
+                    None => left += 1,
+                }
+            }
+            assert!(
+                finished > 0 && left > 0,
+                "over {transport:?}: {finished} finished, {left} left: no race"
+            );
+            assert_idle(&server.url).await;
+            for outcome in burst(&server.url, 2, 100).await {
+                outcome.assert_exact();
+            }
+        });
+    }
 }
 
 /// I11: error answers, the metrics page and worker messages carry no prompt text, so no
@@ -627,17 +648,114 @@ fn error_answers_and_metrics_never_carry_prompt_text() {
 /// load: 34 of 839 requests got 504.)
 #[test]
 fn a_slow_prefill_does_not_use_up_the_transfer_timeout() {
-    let mut options = oracle_options();
-    options.transfer_timeout = Duration::from_millis(800);
-    options.faults = vec![(
-        Role::Prefill,
-        FaultPlan::parse("slow-step=1200;delay-done=200", 1).expect("plan"),
-    )];
-    let server = harness::start(options);
-    harness::runtime().block_on(async {
-        ask(&server.url, ALICE, ALICE.prompt(1, 20), 4)
-            .await
-            .assert_exact();
-        assert_idle(&server.url).await;
-    });
+    for transport in KV_TRANSPORTS {
+        let mut options = oracle_options();
+        options.kv_transport = transport;
+        options.transfer_timeout = Duration::from_millis(800);
+        options.faults = vec![(
+            Role::Prefill,
+            FaultPlan::parse("slow-step=1200;delay-done=200", 1).expect("plan"),
+        )];
+        let server = harness::start(options);
+        harness::runtime().block_on(async {
+            ask(&server.url, ALICE, ALICE.prompt(1, 20), 4)
+                .await
+                .assert_exact();
+            assert_idle(&server.url).await;
+        });
+    }
+}
+
+/// Every case of `cases` on each transport.
+fn on_each_transport<T>(cases: &[T]) -> impl Iterator<Item = (KvTransport, &T)> {
+    KV_TRANSPORTS
+        .into_iter()
+        .flat_map(move |transport| cases.iter().map(move |case| (transport, case)))
+}
+
+/// T16/T17 on the one-sided transport (the formal model's `AbortAckBeforeQuiescence` and
+/// `ImmediateRelease` mutants, run against the code): Alice's transfer is aborted while its
+/// page writes are held back 2 s past the abort. With the guards on, decode keeps her pages
+/// quarantined until prefill answers that its writes have landed, and Bob, admitted at once,
+/// gets other pages and an exact answer. Either guard off frees her pages while the writes
+/// are still coming: Bob's pages are the freed ones (the pool hands out the most recently
+/// freed first), the late writes land in his KV while he decodes, and his answer is not his.
+#[test]
+fn writes_held_past_an_abort_keep_their_pages_quarantined_and_corrupt_without_the_guards() {
+    // (case, prefill faults, decode faults, Bob's answer is exact)
+    let cases: &[(&str, &str, &str, bool)] = &[
+        ("guards on", "delay-writes=2000@0", "slow-step=15", true),
+        (
+            "prefill answers WriteAbort before its writes land",
+            "delay-writes=2000@0;abort-ack-early",
+            "slow-step=15",
+            false,
+        ),
+        (
+            "decode frees a written reservation at once",
+            "delay-writes=2000@0",
+            "slow-step=15;no-write-quarantine",
+            false,
+        ),
+    ];
+    for &(case, prefill, decode, exact) in cases {
+        let mut options = oracle_options();
+        options.kv_transport = KvTransport::Shm;
+        options.faults = vec![
+            (Role::Prefill, FaultPlan::parse(prefill, 1).expect("plan")),
+            (Role::Decode, FaultPlan::parse(decode, 1).expect("plan")),
+        ];
+        let server = harness::start(options);
+        harness::runtime().block_on(async {
+            let url = &server.url;
+            // Alice's pages are granted and her writes posted at once, then held back; she
+            // leaves well before they land.
+            let prompt = ALICE.prompt(1, 30);
+            let left = ask_and_leave(url, ALICE, prompt, 4, false, ms(400)).await;
+            assert!(left.is_none(), "{case}: Alice's transfer ended: {left:?}");
+            // Bob comes after the abort has run its course (the same wait in every case, well
+            // inside the 2 s): with the guards, her pages are still quarantined; without,
+            // they are free and his.
+            let quarantined = peak_quarantined(url, ms(600)).await;
+            if exact {
+                assert!(
+                    quarantined > 0.0,
+                    "{case}: decode must hold Alice's pages until prefill's writes land"
+                );
+            }
+            let bob = ask(url, BOB, BOB.prompt(2, 10), 120).await;
+            if exact {
+                bob.assert_exact();
+            } else {
+                assert_eq!(bob.answer.status, 200, "{case}: {}", bob.answer.body);
+                assert_ne!(
+                    bob.text(),
+                    bob.expected,
+                    "{case}: the late writes must show in Bob's answer, or this test proves \
+                     nothing"
+                );
+            }
+            assert_idle(url).await;
+        });
+    }
+}
+
+fn ms(millis: u64) -> Duration {
+    Duration::from_millis(millis)
+}
+
+/// The most pages decode's pool reported quarantined over `window`.
+async fn peak_quarantined(url: &str, window: Duration) -> f64 {
+    let start = std::time::Instant::now();
+    let mut peak: f64 = 0.0;
+    while start.elapsed() < window {
+        let metrics = harness::metrics(url).await;
+        for (labels, value) in harness::samples(&metrics, "airlock_kv_pages_quarantined") {
+            if labels.contains("role=\"decode\"") {
+                peak = peak.max(value);
+            }
+        }
+        tokio::time::sleep(ms(20)).await;
+    }
+    peak
 }

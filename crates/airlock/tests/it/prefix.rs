@@ -120,7 +120,22 @@ fn tenants_never_share_and_a_tenant_reuses(mode: Mode) {
             };
             assert!(by_role("prefill") > 0.0, "{bytes:?}");
             assert_eq!(by_role("prefill"), by_role("decode"), "{bytes:?}");
-            assert!(bytes.iter().all(|s| s.0.contains("transport=\"tcp\"")));
+            // The cluster moves pages through shared memory (serve's default): every byte is
+            // counted there, and none over TCP.
+            let over = |transport: &str| -> f64 {
+                let label = format!("transport=\"{transport}\"");
+                bytes
+                    .iter()
+                    .filter(|s| s.0.contains(&label))
+                    .map(|s| s.1)
+                    .sum()
+            };
+            assert_eq!(
+                over("shm"),
+                by_role("prefill") + by_role("decode"),
+                "{bytes:?}"
+            );
+            assert_eq!(over("tcp"), 0.0, "{bytes:?}");
             let timed = samples(&page, "airlock_transfer_seconds_count");
             assert_eq!(timed.iter().map(|s| s.1).sum::<f64>(), 5.0, "{timed:?}");
         }

@@ -2,7 +2,7 @@
 //! against `airlock serve`.
 
 use crate::cli::{airlock, airlock_fault_injection, model_path};
-use crate::harness::{completion, post, runtime, MODEL};
+use crate::harness::{completion, post, runtime, KvTransport, SocketDir, KV_TRANSPORTS, MODEL};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -90,20 +90,27 @@ fn start_worker(role: &'static str, port: &str) -> (Process, String) {
 }
 
 fn start_faulty_worker(role: &'static str, port: &str, faults: &str) -> (Process, String) {
-    spawn_with_faults(
+    start_faulty_worker_with(role, port, faults, &[])
+}
+
+/// A worker with `extra` flags (a decode worker's `--kv-socket`).
+fn start_faulty_worker_with(
+    role: &'static str,
+    port: &str,
+    faults: &str,
+    extra: &[&str],
+) -> (Process, String) {
+    let mut args = vec![
         role,
-        &[
-            role,
-            "--port",
-            port,
-            "--kv-tokens",
-            "2048",
-            "--context-length",
-            "2048",
-        ],
-        "worker listening on ",
-        faults,
-    )
+        "--port",
+        port,
+        "--kv-tokens",
+        "2048",
+        "--context-length",
+        "2048",
+    ];
+    args.extend_from_slice(extra);
+    spawn_with_faults(role, &args, "worker listening on ", faults)
 }
 
 fn base_url(line_value: &str) -> String {
@@ -119,11 +126,34 @@ struct Deployment {
     prefill_addr: String,
     _router: Process,
     url: String,
+    /// Shared memory: the decode worker's `--kv-socket` flags, which the router and prefill
+    /// reach it by (`unix:PATH`).
+    decode_flags: Vec<String>,
+    _socket_dir: Option<SocketDir>,
 }
 
 fn start_deployment() -> Deployment {
-    let (decode, decode_addr) = start_worker("decode", "0");
+    start_deployment_on(KvTransport::Tcp)
+}
+
+/// [`start_deployment`] whose pages go over `transport`: with shared memory the decode worker
+/// also listens on a Unix socket, and the router names it by that.
+fn start_deployment_on(transport: KvTransport) -> Deployment {
+    let socket_dir = (transport == KvTransport::Shm).then(SocketDir::new);
+    let socket = socket_dir
+        .as_ref()
+        .map(|dir| dir.path().join("decode.sock").display().to_string());
+    let decode_flags: Vec<String> = match &socket {
+        Some(path) => vec!["--kv-socket".into(), path.clone()],
+        None => Vec::new(),
+    };
+    let flags: Vec<&str> = decode_flags.iter().map(String::as_str).collect();
+    let (decode, decode_addr) = start_faulty_worker_with("decode", "0", "", &flags);
     let (prefill, prefill_addr) = start_worker("prefill", "0");
+    let routed_decode = match &socket {
+        Some(path) => format!("unix:{path}"),
+        None => decode_addr.clone(),
+    };
     let (router, url) = spawn(
         "router",
         &[
@@ -133,7 +163,7 @@ fn start_deployment() -> Deployment {
             "--prefill",
             &prefill_addr,
             "--decode",
-            &decode_addr,
+            &routed_decode,
         ],
         " at ",
     );
@@ -144,6 +174,8 @@ fn start_deployment() -> Deployment {
         prefill_addr,
         _router: router,
         url: base_url(&url),
+        decode_flags,
+        _socket_dir: socket_dir,
     }
 }
 
@@ -184,6 +216,7 @@ fn a_restarted_decode_worker_is_linked_again() {
         prefill_addr: _,
         _router,
         url,
+        ..
     } = start_deployment();
     // L11: one request decoding and one queued behind it for the decode pool (2048 tokens,
     // ~1500 each) when the decode worker goes: both end with 503 at once, neither hangs.
@@ -292,6 +325,7 @@ fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
         prefill_addr: _,
         _router,
         url,
+        ..
     } = start_deployment();
     runtime().block_on(async move {
         use futures_util::StreamExt;
@@ -322,11 +356,22 @@ fn a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_no_done() {
 }
 
 /// T11 and T12: a prefill worker that dies mid-transfer, then a decode worker that dies as a
-/// transfer lands (planted crashes: the process exits at once, as under SIGKILL). The request
-/// in flight gets 503 `kv_transfer_failed`, never 200; the surviving worker's pages all come
-/// back (I9); a restarted worker on the same port serves again.
+/// transfer lands (planted crashes: the process exits at once, as under SIGKILL), over TCP
+/// and over shared memory (where the dead prefill's writes are fenced: decode frees what it
+/// granted only once no write is in progress or the process is gone). The request in flight
+/// gets 503 `kv_transfer_failed`, never 200; the surviving worker's pages all come back (I9);
+/// a restarted worker on the same address serves again.
 #[test]
 fn a_worker_crashing_mid_transfer_fails_that_request_and_the_pools_recover() {
+    for transport in KV_TRANSPORTS {
+        crash_mid_transfer_and_recover(transport);
+    }
+}
+
+fn crash_mid_transfer_and_recover(transport: KvTransport) {
+    let deployment = start_deployment_on(transport);
+    let decode_flags = deployment.decode_flags.clone();
+    let decode_flags: Vec<&str> = decode_flags.iter().map(String::as_str).collect();
     let Deployment {
         decode,
         decode_addr,
@@ -334,7 +379,9 @@ fn a_worker_crashing_mid_transfer_fails_that_request_and_the_pools_recover() {
         prefill_addr,
         _router,
         url,
-    } = start_deployment();
+        _socket_dir,
+        ..
+    } = deployment;
     let port = |addr: &str| addr.rsplit(':').next().expect("port").to_string();
     // A prompt of several pages, so "mid-transfer" has a middle.
     let long = "The history of the city is long and full of stories. ".repeat(12);
@@ -354,23 +401,49 @@ fn a_worker_crashing_mid_transfer_fails_that_request_and_the_pools_recover() {
     runtime().block_on(async {
         served_again(url.clone()).await;
         let answer = post(&url, "/v1/completions", completion(&long, 4)).await;
-        assert_eq!(answer.status, 503, "prefill crash: {}", answer.body);
+        assert_eq!(
+            answer.status, 503,
+            "prefill crash over {transport:?}: {}",
+            answer.body
+        );
     });
     assert_crashed(prefill);
     let (_prefill, _) = start_worker("prefill", &port(&prefill_addr));
     drop(decode);
-    let (decode, _) = start_faulty_worker("decode", &port(&decode_addr), "crash-on-page");
+    let (decode, _) = start_faulty_worker_with(
+        "decode",
+        &port(&decode_addr),
+        "crash-on-page",
+        &decode_flags,
+    );
     runtime().block_on(async {
         served_again(url.clone()).await;
         let answer = post(&url, "/v1/completions", completion(&long, 4)).await;
-        assert_eq!(answer.status, 503, "decode crash: {}", answer.body);
+        assert_eq!(
+            answer.status, 503,
+            "decode crash over {transport:?}: {}",
+            answer.body
+        );
     });
     assert_crashed(decode);
-    let (_decode, _) = start_worker("decode", &port(&decode_addr));
+    let (_decode, _) = start_faulty_worker_with("decode", &port(&decode_addr), "", &decode_flags);
     runtime().block_on(async {
         served_again(url.clone()).await;
+        let answer = post(&url, "/v1/completions", completion(&long, 2)).await;
+        assert_eq!(answer.status, 200, "over {transport:?}: {}", answer.body);
         let (idle, page) = crate::harness::wait_idle(&url).await;
-        assert!(idle, "{page}");
+        assert!(idle, "over {transport:?}: {page}");
+        // The pages went the way asked for.
+        let label = match transport {
+            KvTransport::Tcp => "transport=\"tcp\"",
+            KvTransport::Shm => "transport=\"shm\"",
+        };
+        let moved: f64 = crate::harness::samples(&page, "airlock_transfer_bytes_total")
+            .iter()
+            .filter(|(labels, _)| labels.contains("role=\"decode\"") && labels.contains(label))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        assert!(moved > 0.0, "no bytes over {transport:?}: {page}");
     });
 }
 

@@ -5,7 +5,7 @@
 use super::{failed, Engine, Key, LinkId, LinkKind, Phase, Stage};
 use kv::PageState;
 use std::time::Instant;
-use transfer::{Failure, Frame};
+use transfer::{Failure, Frame, TransferId};
 
 impl Engine {
     pub(super) fn abort(&mut self, key: Key) {
@@ -149,9 +149,45 @@ impl Engine {
                 _ => Failure::PeerUnavailable,
             };
             // A lost link can no longer touch our pages: nothing arrives from it any more and
-            // nothing it held of ours is read again, so release is safe (I5).
+            // nothing it held of ours is read again, so release is safe (I5). A one-sided
+            // prefill's writes are the exception: its quarantined pages wait for its fence.
             self.end(key, Err((failure, message.to_string())));
         }
+        if entry.kind == LinkKind::PrefillPeer {
+            self.grants.link_down(link);
+        }
+    }
+
+    /// Prefill: decode dropped `transfer`'s reservation and asks us to stop writing into it.
+    /// The request ends (decode has told the router), and the answer goes on the link behind
+    /// every page already handed to it, so the link's writer sends it only once those writes
+    /// have landed.
+    pub(super) fn write_abort(&mut self, link: LinkId, transfer: TransferId) {
+        let key = self.requests.iter().find_map(|(key, request)| {
+            let ours = request.peer == Some(link);
+            let named = match &request.phase {
+                Phase::Admitted {
+                    stage:
+                        Stage::Prefilling {
+                            stream: Some(stream),
+                            ..
+                        },
+                    ..
+                } => stream.transfer() == transfer,
+                Phase::Admitted {
+                    stage: Stage::Sending { transfer: sent, .. },
+                    ..
+                } => *sent == transfer,
+                _ => false,
+            };
+            (ours && named).then_some(*key)
+        });
+        if let Some(key) = key {
+            self.outbound.remove(&transfer);
+            let message = "the decode worker dropped the transfer".to_string();
+            self.end(key, Err((Failure::TransferFailed, message)));
+        }
+        self.send(link, Frame::WriteAbortAck { transfer });
     }
 
     /// Ends a request: tells the router (once), releases its pages, forgets it.
@@ -168,8 +204,12 @@ impl Engine {
             Stage::Receiving { transfer, .. } => {
                 self.inbound.remove(&transfer);
                 // Leases go back (one a reader is writing into, when its write ends; the
-                // page is parked until then).
-                self.grants.revoke(transfer);
+                // page is parked until then). A one-sided prefill may still be writing: the
+                // pages stay quarantined until it says it has stopped.
+                let quarantine = self.config.faults.write_quarantined();
+                if let Some(writer) = self.grants.revoke(transfer, quarantine) {
+                    self.send(writer, Frame::WriteAbort { transfer });
+                }
             }
             Stage::Sending { transfer, .. } => {
                 self.outbound.remove(&transfer);

@@ -11,15 +11,24 @@
 //!   meanwhile parks the page until the lease comes back, I5);
 //! - a `Done` closes the reservation in the reader, before the frame is passed on: no byte of
 //!   that transfer lands after it, so the checksum decode computes covers what it will read.
+//!
+//! A prefill on this host may instead write the pages one-sidedly (`transfer::one_sided`):
+//! its `GrantAsk` binds the reservation to its link and gets the pool pages; the leases stay
+//! here while it writes, and are hashed when its `Done` closes the reservation (it sends
+//! `Done` only after its writes have landed). A reservation dropped while such a prefill may
+//! still write is *quarantined*: its leases are kept (the pool parks the pages) until the
+//! prefill's `WriteAbortAck` says its writes are over, or, if the link is lost, until the
+//! link's [`WriteFence`] shows that none is in progress or the prefill process is gone.
 
 use super::{Event, LinkId};
 use crate::FaultPlan;
-use kv::LentPageMut;
+use hugemem::shared::{process_exists, WriteFence};
+use kv::{LentPageMut, RequestId, TenantId};
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use transfer::transport::{PageHeader, PageSink};
-use transfer::{Inbound, Reject, TransferDone, TransferId};
+use transfer::{Frame, Inbound, Reject, TransferDone, TransferId};
 
 #[derive(Default)]
 pub(crate) struct Grants {
@@ -31,7 +40,27 @@ struct State {
     open: HashMap<TransferId, Grant>,
     /// Closed by a reader on `Done`, waiting for the engine to verify them.
     closed: HashMap<TransferId, Grant>,
+    /// Dropped reservations a one-sided prefill may still write into: their leases, until
+    /// that link's prefill says its writes are over (or the link's fence shows it).
+    quarantined: HashMap<TransferId, Quarantine>,
+    /// The one-sided links, by id.
+    one_sided: HashMap<LinkId, OneSidedPeer>,
 }
+
+struct Quarantine {
+    link: LinkId,
+    leases: Vec<LentPageMut>,
+}
+
+/// What decode knows of a prefill that writes into its pool.
+pub(crate) struct OneSidedPeer {
+    pub(crate) fence: Arc<WriteFence>,
+    /// The peer process (from the socket's credentials), to learn that it is gone.
+    pub(crate) pid: Option<i32>,
+}
+
+/// How often a fenced link's in-progress writes are looked at.
+const FENCE_POLL: Duration = Duration::from_millis(1);
 
 struct Grant {
     inbound: Inbound,
@@ -44,6 +73,10 @@ struct Grant {
     hashes: Vec<Option<u64>>,
     first_frame: Option<Instant>,
     last_frame: Option<Instant>,
+    /// Granted to a one-sided prefill: it writes the leased pages itself.
+    one_sided: bool,
+    /// One-sided: the link's count of finished writes when last looked at.
+    written_seen: u32,
 }
 
 /// A closed reservation, for the engine's verification of `Done`.
@@ -81,16 +114,127 @@ impl Grants {
             sender: None,
             first_frame: None,
             last_frame: None,
+            one_sided: false,
+            written_seen: 0,
         };
         self.state().open.insert(grant.inbound.transfer, grant);
     }
 
     /// Drops a reservation (abort, timeout, refusal, end): its leases go back, except one a
-    /// reader is writing into, which goes back when that write ends.
-    pub(crate) fn revoke(&self, transfer: TransferId) {
+    /// reader is writing into, which goes back when that write ends. A reservation granted to
+    /// a one-sided prefill is quarantined instead (unless `quarantine` is off: fault
+    /// injection only), and the link to send `WriteAbort` on is returned.
+    pub(crate) fn revoke(&self, transfer: TransferId, quarantine: bool) -> Option<LinkId> {
         let mut state = self.state();
-        state.open.remove(&transfer);
         state.closed.remove(&transfer);
+        let grant = state.open.remove(&transfer)?;
+        let link = grant.sender.filter(|_| grant.one_sided && quarantine)?;
+        let leases = grant.pages.into_iter().flatten().collect();
+        state
+            .quarantined
+            .insert(transfer, Quarantine { link, leases });
+        Some(link)
+    }
+
+    /// `link`'s prefill says its writes into `transfer`'s pages are over: they may be reused.
+    pub(crate) fn write_abort_acked(&self, link: LinkId, transfer: TransferId) -> bool {
+        let mut state = self.state();
+        match state.quarantined.get(&transfer) {
+            Some(quarantine) if quarantine.link == link => {
+                state.quarantined.remove(&transfer);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A one-sided prefill's link is up.
+    pub(crate) fn one_sided_link(&self, link: LinkId, peer: OneSidedPeer) {
+        self.state().one_sided.insert(link, peer);
+    }
+
+    /// `link` is gone (call after its reservations were revoked): if it was one-sided, raise
+    /// its fence and release its quarantined pages once no write of it is in progress or its
+    /// process is gone, from a thread of its own (a prefill stuck mid-write keeps them).
+    pub(crate) fn link_down(&self, link: LinkId) {
+        let mut state = self.state();
+        let Some(peer) = state.one_sided.remove(&link) else {
+            return;
+        };
+        peer.fence.fence();
+        let transfers: Vec<TransferId> = state
+            .quarantined
+            .iter()
+            .filter(|(_, q)| q.link == link)
+            .map(|(transfer, _)| *transfer)
+            .collect();
+        let held: Vec<Quarantine> = transfers
+            .iter()
+            .filter_map(|transfer| state.quarantined.remove(transfer))
+            .collect();
+        drop(state);
+        let ours = std::process::id() as i32;
+        let spawned = std::thread::Builder::new()
+            .name("write-fence".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let mut warned = false;
+                loop {
+                    let gone = peer
+                        .pid
+                        .is_some_and(|pid| pid != ours && !process_exists(pid));
+                    if peer.fence.quiesced() || gone {
+                        break;
+                    }
+                    if !warned && started.elapsed() > Duration::from_secs(10) {
+                        warned = true;
+                        tracing::warn!(
+                            pages = held.iter().map(|q| q.leases.len()).sum::<usize>(),
+                            "a lost prefill link still has a write in progress; its pages \
+                             stay quarantined"
+                        );
+                    }
+                    std::thread::sleep(FENCE_POLL);
+                }
+                drop(held);
+            });
+        if let Err(error) = spawned {
+            // Without the thread the pages stay quarantined: safe, and said.
+            tracing::error!(%error, "cannot wait on a write fence; pages stay quarantined");
+        }
+    }
+
+    /// A one-sided prefill on `link` asks for `transfer`'s pages.
+    fn grant(
+        &self,
+        link: LinkId,
+        transfer: TransferId,
+        request: RequestId,
+        tenant: TenantId,
+    ) -> Result<Frame, Option<Reject>> {
+        let mut state = self.state();
+        let Some(peer) = state.one_sided.get(&link) else {
+            return Err(None);
+        };
+        let written = peer.fence.written();
+        let grant = state.open.get_mut(&transfer).ok_or(None)?;
+        if grant.sender.is_some() || !grant.bind(link) {
+            // Asked twice, or the transfer is another link's.
+            return Err(None);
+        }
+        grant.inbound.grant_writes(request, tenant).map_err(Some)?;
+        grant.one_sided = true;
+        grant.written_seen = written;
+        let first_index = grant.inbound.held_pages();
+        let pool_pages = grant.pages[first_index as usize..]
+            .iter()
+            .map(|lease| lease.as_ref().map_or(u32::MAX, LentPageMut::page))
+            .collect();
+        Ok(Frame::WriteGrant {
+            transfer,
+            first_index,
+            pool_pages,
+        })
     }
 
     pub(crate) fn claim(&self, link: LinkId, header: &PageHeader) -> Claim {
@@ -98,7 +242,8 @@ impl Grants {
         let Some(grant) = state.open.get_mut(&header.transfer) else {
             return Claim::Unknown;
         };
-        if !grant.bind(link) {
+        // A one-sided grant takes no frames: its prefill writes the pages itself.
+        if grant.one_sided || !grant.bind(link) {
             return Claim::Unknown;
         }
         let accepted =
@@ -148,8 +293,18 @@ impl Grants {
             .get_mut(&transfer)
             .is_some_and(|grant| grant.bind(link));
         if bound {
-            let grant = state.open.remove(&transfer).expect("found above");
-            state.closed.insert(transfer, grant.without_leases());
+            let mut grant = state.open.remove(&transfer).expect("found above");
+            drop(state);
+            if grant.one_sided {
+                // The prefill sent `Done` after its writes landed: hash what they left, while
+                // the leases still keep everyone else out.
+                for (hash, lease) in grant.hashes.iter_mut().zip(&grant.pages) {
+                    if let Some(lease) = lease {
+                        *hash = Some(transfer::page_hash(lease.bytes()));
+                    }
+                }
+            }
+            self.state().closed.insert(transfer, grant.without_leases());
         }
     }
 
@@ -171,13 +326,31 @@ impl Grants {
         })
     }
 
-    /// Whether a frame came yet, from which link, and when the latest did.
+    /// Whether a frame came yet, from which link, and when the latest did. A one-sided
+    /// transfer sends no frames while its pages are written: a write finished on its link
+    /// since the last look counts as one.
     pub(crate) fn activity(&self, transfer: TransferId) -> (Option<LinkId>, Option<Instant>) {
-        let state = self.state();
-        match state.open.get(&transfer).or(state.closed.get(&transfer)) {
-            Some(grant) => (grant.sender, grant.last_frame),
-            None => (None, None),
+        let mut state = self.state();
+        let State {
+            open,
+            closed,
+            one_sided,
+            ..
+        } = &mut *state;
+        let Some(grant) = open.get_mut(&transfer).or(closed.get_mut(&transfer)) else {
+            return (None, None);
+        };
+        if let (true, Some(peer)) = (
+            grant.one_sided,
+            grant.sender.and_then(|l| one_sided.get(&l)),
+        ) {
+            let written = peer.fence.written();
+            if written != grant.written_seen {
+                grant.written_seen = written;
+                grant.last_frame = Some(Instant::now());
+            }
         }
+        (grant.sender, grant.last_frame)
     }
 }
 
@@ -209,8 +382,17 @@ pub(crate) struct PageSinks {
 
 impl PageSinks {
     /// The sink of link `link`: it lands that link's page frames in the engine's
-    /// reservations and tells the engine, through `events`, of each it refuses.
-    pub(crate) fn for_link(&self, link: LinkId, events: mpsc::Sender<Event>) -> Arc<dyn PageSink> {
+    /// reservations and tells the engine, through `events`, of each it refuses. A one-sided
+    /// link's `peer` makes it answer `GrantAsk`s.
+    pub(crate) fn for_link(
+        &self,
+        link: LinkId,
+        events: mpsc::Sender<Event>,
+        peer: Option<OneSidedPeer>,
+    ) -> Arc<dyn PageSink> {
+        if let Some(peer) = peer {
+            self.grants.one_sided_link(link, peer);
+        }
         Arc::new(LinkSink {
             grants: self.grants.clone(),
             link,
@@ -265,5 +447,46 @@ impl PageSink for LinkSink {
 
     fn closing(&self, done: &TransferDone) {
         self.grants.close_in_reader(self.link, done.transfer);
+    }
+
+    fn grant(&self, transfer: TransferId, request: RequestId, tenant: TenantId) -> Frame {
+        match self.grants.grant(self.link, transfer, request, tenant) {
+            Ok(frame) => {
+                // One-sided, decode sees no page land: it dies as it grants the pages instead.
+                let crash = self
+                    .faults
+                    .lock()
+                    .expect("the fault plan lock is never held across a panic")
+                    .crash_on_page(1);
+                if crash {
+                    crate::faults::crash("on a transfer's grant");
+                }
+                frame
+            }
+            Err(reject) => {
+                let refused = Event::PageRefused {
+                    link: self.link,
+                    transfer,
+                    reject,
+                };
+                let _ = self
+                    .events
+                    .lock()
+                    .expect("the events lock is never held across a panic")
+                    .send(refused);
+                match reject {
+                    // The reservation's checks refused it: the transfer fails, both sides.
+                    Some(reject) => Frame::Nack { transfer, reject },
+                    // No live reservation takes it from this link (a late page, a page after
+                    // `Done`): nothing may be written, and nothing else changes, as a framed
+                    // page of an unknown transfer is dropped and counted.
+                    None => Frame::WriteGrant {
+                        transfer,
+                        first_index: 0,
+                        pool_pages: Vec::new(),
+                    },
+                }
+            }
+        }
     }
 }

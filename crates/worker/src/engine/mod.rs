@@ -30,7 +30,7 @@
 mod admit;
 mod end;
 mod grants;
-pub(crate) use grants::PageSinks;
+pub(crate) use grants::{OneSidedPeer, PageSinks};
 mod receive;
 mod reuse;
 #[cfg(test)]
@@ -51,7 +51,9 @@ use std::ops::ControlFlow;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{Failure, Frame, PrefixCounters, Submit, TransferCounters, TransferId};
+use transfer::{
+    Failure, Frame, PerTransport, PrefixCounters, Submit, TransferCounters, TransferId,
+};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -73,6 +75,8 @@ pub enum Event {
         link: LinkId,
         kind: LinkKind,
         tx: UnboundedSender<Frame>,
+        /// A peer link whose pages are written through shared memory (`transfer::one_sided`).
+        one_sided: bool,
     },
     LinkDown {
         link: LinkId,
@@ -174,6 +178,7 @@ struct DecodeState {
 struct LinkEntry {
     kind: LinkKind,
     tx: UnboundedSender<Frame>,
+    one_sided: bool,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Default)]
@@ -186,7 +191,7 @@ struct Stats {
     frames_rejected: u64,
     auth_failures: u64,
     prefix: PrefixCounters,
-    transfer: TransferCounters,
+    transfer: PerTransport,
 }
 
 /// The worker's state; see the module docs.
@@ -204,8 +209,8 @@ pub struct Engine {
     /// Page frames sent to decode workers, and pages not sent because decode held them.
     pages_sent: u64,
     pages_not_sent: u64,
-    /// Bytes sent and received, and verified transfers' times, for `/metrics`.
-    transfer_counters: TransferCounters,
+    /// Bytes sent and received, and verified transfers' times, per transport, for `/metrics`.
+    transfer_counters: PerTransport,
     links: HashMap<LinkId, LinkEntry>,
     requests: HashMap<Key, Request>,
     queue: VecDeque<Key>,
@@ -244,7 +249,7 @@ impl Engine {
             prefilled_tokens: 0,
             pages_sent: 0,
             pages_not_sent: 0,
-            transfer_counters: TransferCounters::default(),
+            transfer_counters: PerTransport::default(),
             links: HashMap::new(),
             requests: HashMap::new(),
             queue: VecDeque::new(),
@@ -332,8 +337,18 @@ impl Engine {
 
     fn handle(&mut self, event: Event) {
         match event {
-            Event::LinkUp { link, kind, tx } => {
-                self.links.insert(link, LinkEntry { kind, tx });
+            Event::LinkUp {
+                link,
+                kind,
+                tx,
+                one_sided,
+            } => {
+                let entry = LinkEntry {
+                    kind,
+                    tx,
+                    one_sided,
+                };
+                self.links.insert(link, entry);
                 self.last_stats = None;
             }
             Event::LinkDown { link } => self.link_down(link),
@@ -376,6 +391,14 @@ impl Engine {
                 self.sent(link, transfer, Some(reject))
             }
             (LinkKind::DecodePeer, Frame::AbortAck { transfer }) => self.sent(link, transfer, None),
+            (LinkKind::DecodePeer, Frame::WriteAbort { transfer }) => {
+                self.write_abort(link, transfer)
+            }
+            (LinkKind::PrefillPeer, Frame::WriteAbortAck { transfer }) => {
+                if !self.grants.write_abort_acked(link, transfer) {
+                    self.frames_rejected += 1;
+                }
+            }
             (kind, frame) => {
                 tracing::warn!(
                     ?kind,
@@ -395,6 +418,16 @@ impl Engine {
             (Some(delay), Some(entry)) => send_later(entry.tx.clone(), frame, delay),
             _ => self.send(link, frame),
         }
+    }
+
+    /// The counters of the transport `link`'s transfers take.
+    fn transfer_counters(&mut self, link: LinkId) -> &mut TransferCounters {
+        &mut self.transfer_counters[self.transport_index(link)]
+    }
+
+    /// `link`'s transport, as an index of [`transfer::TRANSPORTS`].
+    fn transport_index(&self, link: LinkId) -> usize {
+        usize::from(self.links.get(&link).is_some_and(|entry| entry.one_sided))
     }
 
     fn send(&self, link: LinkId, frame: Frame) {
@@ -486,5 +519,9 @@ fn frame_name(frame: &Frame) -> &'static str {
         Frame::Ack { .. } => "Ack",
         Frame::Nack { .. } => "Nack",
         Frame::AbortAck { .. } => "AbortAck",
+        Frame::GrantAsk { .. } => "GrantAsk",
+        Frame::WriteGrant { .. } => "WriteGrant",
+        Frame::WriteAbort { .. } => "WriteAbort",
+        Frame::WriteAbortAck { .. } => "WriteAbortAck",
     }
 }

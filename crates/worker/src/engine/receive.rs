@@ -121,7 +121,8 @@ impl Engine {
             .set_state(table, PageState::Sealed)
             .expect("verified pages go Receiving -> Sealed");
         let received_pages = (done.page_count - inbound.held_pages()) as u64;
-        self.transfer_counters.observe(
+        let one_sided = self.links.get(&link).is_some_and(|entry| entry.one_sided);
+        self.transfer_counters[usize::from(one_sided)].observe(
             received_pages * self.pool.layout().page_bytes() as u64,
             closed.first_frame.unwrap_or_else(Instant::now).elapsed(),
         );

@@ -30,6 +30,10 @@ pub(super) struct Stream {
 }
 
 impl Stream {
+    pub(super) fn transfer(&self) -> TransferId {
+        self.done.transfer
+    }
+
     /// The stream of a prefill request's transfer, or `None` for other plans.
     pub(super) fn open(
         submit: &Submit,
@@ -197,8 +201,20 @@ impl Engine {
             .filter(|frame| matches!(frame, Frame::Page { .. }))
             .count() as u64;
         self.pages_sent += pages;
-        self.transfer_counters.bytes_sent += pages * page_bytes;
-        let Some(peer) = self.links.get(&stream.peer) else {
+        let peer = stream.peer;
+        self.transfer_counters(peer).bytes_sent += pages * page_bytes;
+        let Some(Phase::Admitted {
+            stage:
+                Stage::Prefilling {
+                    stream: Some(stream),
+                    ..
+                },
+            ..
+        }) = self.requests.get_mut(&key).map(|r| &mut r.phase)
+        else {
+            return;
+        };
+        let Some(peer) = self.links.get(&peer) else {
             return;
         };
         let frames = match &mut stream.held {

@@ -92,7 +92,12 @@ impl Worker {
     /// Opens a link; what the engine sends on it comes out of the returned [`Link`].
     pub(super) fn link(&mut self, link: LinkId, kind: LinkKind) -> Link {
         let (tx, rx) = unbounded_channel();
-        self.send(Event::LinkUp { link, kind, tx });
+        self.send(Event::LinkUp {
+            link,
+            kind,
+            tx,
+            one_sided: false,
+        });
         Link { rx }
     }
 

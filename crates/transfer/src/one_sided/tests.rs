@@ -1,0 +1,271 @@
+//! The one-sided link between a prefill writer and a decode pool, over a real Unix socket pair
+//! and a real memfd: grants, ordering, quiescence, and the guards' mutants.
+
+use super::*;
+use crate::transport::{read_frame, write_frame};
+use crate::TransferDone;
+use hugemem::PageCells;
+use tokio::net::UnixStream;
+
+const PAGE_BYTES: usize = 4096;
+const PAGES: usize = 4;
+const T: TransferId = TransferId(7);
+const REQUEST: RequestId = RequestId(3);
+const TENANT: TenantId = TenantId(5);
+
+/// Decode's end: its pool, the link's fence, and the socket it answers on.
+struct Decode {
+    pool: PageCells<u8>,
+    fence: WriteFence,
+    socket: UnixStream,
+}
+
+impl Decode {
+    fn page(&self, page: usize) -> Vec<u8> {
+        self.pool.read(page).expect("no writer in decode").to_vec()
+    }
+
+    async fn next(&mut self) -> Frame {
+        let read = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut self.socket));
+        read.await
+            .expect("a frame in time")
+            .expect("readable")
+            .expect("not closed")
+    }
+
+    async fn send(&mut self, frame: Frame) {
+        write_frame(&mut self.socket, &frame).await.expect("sent");
+    }
+}
+
+async fn linked(faults: WriterFaults) -> (Link, Decode) {
+    let (prefill_end, decode_end) = UnixStream::pair().expect("socket pair");
+    let pool = PageCells::<u8>::zeroed_shared(PAGES, PAGE_BYTES).expect("memfd");
+    let fence = WriteFence::create().expect("fence");
+    let pool_fd = pool.shared_fd().expect("shared");
+    let offered = offer_pool(
+        &decode_end,
+        pool_fd,
+        PAGES as u32,
+        PAGE_BYTES as u64,
+        &fence,
+    );
+    let accepted = accept_pool(&prefill_end, PAGE_BYTES);
+    let (offered, accepted) = tokio::join!(offered, accepted);
+    offered.expect("offered");
+    let shared = accepted.expect("accepted");
+    let link = spawn_one_sided_link(
+        Box::new(prefill_end),
+        "test".into(),
+        Arc::new(shared),
+        faults,
+    );
+    let decode = Decode {
+        pool,
+        fence,
+        socket: decode_end,
+    };
+    (link, decode)
+}
+
+fn page(index: u32, fill: u8) -> Frame {
+    page_of(REQUEST, TENANT, index, fill)
+}
+
+fn page_of(request: RequestId, tenant: TenantId, index: u32, fill: u8) -> Frame {
+    Frame::Page {
+        transfer: T,
+        request,
+        tenant,
+        index,
+        bytes: PageBytes::Owned(vec![fill; PAGE_BYTES]),
+    }
+}
+
+fn done() -> Frame {
+    Frame::Done(TransferDone {
+        transfer: T,
+        request: REQUEST,
+        tenant: TENANT,
+        page_count: 3,
+        token_count: 40,
+        checksum: 9,
+    })
+}
+
+fn grant(pool_pages: Vec<u32>) -> Frame {
+    Frame::WriteGrant {
+        transfer: T,
+        first_index: 1,
+        pool_pages,
+    }
+}
+
+#[tokio::test]
+async fn pages_wait_for_their_grant_and_done_follows_the_writes() {
+    let (link, mut decode) = linked(WriterFaults::default()).await;
+    for frame in [page(1, 0xA1), page(2, 0xB2), done()] {
+        link.tx.send(frame).unwrap();
+    }
+    let ask = decode.next().await;
+    assert_eq!(
+        ask,
+        Frame::GrantAsk {
+            transfer: T,
+            request: REQUEST,
+            tenant: TENANT
+        }
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        (0..PAGES).all(|p| decode.page(p).iter().all(|&b| b == 0)),
+        "nothing is written before the grant"
+    );
+    decode.send(grant(vec![3, 0])).await;
+    assert_eq!(
+        decode.next().await,
+        done(),
+        "Done, and only after the writes"
+    );
+    assert!(
+        decode.page(3).iter().all(|&b| b == 0xA1),
+        "page 1 went to pool page 3"
+    );
+    assert!(
+        decode.page(0).iter().all(|&b| b == 0xB2),
+        "page 2 went to pool page 0"
+    );
+    assert!(decode
+        .page(1)
+        .iter()
+        .chain(&decode.page(2))
+        .all(|&b| b == 0));
+    assert!(decode.fence.written() >= 2, "the writes count as progress");
+}
+
+#[tokio::test]
+async fn a_page_outside_its_grant_or_of_another_request_is_not_written() {
+    let (link, mut decode) = linked(WriterFaults::default()).await;
+    link.tx.send(page(1, 0x11)).unwrap();
+    assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+    decode.send(grant(vec![2])).await;
+    for frame in [
+        page(2, 0x22),                          // past the grant
+        page(0, 0x33),                          // before it (a page decode holds)
+        page_of(RequestId(4), TENANT, 1, 0x44), // another request
+        page_of(REQUEST, TenantId(6), 1, 0x55), // another tenant
+        done(),
+    ] {
+        link.tx.send(frame).unwrap();
+    }
+    assert_eq!(decode.next().await, done());
+    assert!(
+        decode.page(2).iter().all(|&b| b == 0x11),
+        "only the granted page"
+    );
+    for other in [0, 1, 3] {
+        assert!(decode.page(other).iter().all(|&b| b == 0), "page {other}");
+    }
+}
+
+#[tokio::test]
+async fn a_refused_grant_drops_the_pages_and_lets_done_through() {
+    let (link, mut decode) = linked(WriterFaults::default()).await;
+    link.tx.send(page(1, 0x11)).unwrap();
+    link.tx.send(done()).unwrap();
+    assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+    let nack = Frame::Nack {
+        transfer: T,
+        reject: crate::Reject::UnknownTransfer,
+    };
+    decode.send(nack.clone()).await;
+    assert_eq!(decode.next().await, done());
+    let mut link = link;
+    assert_eq!(
+        link.rx.recv().await,
+        Some(nack),
+        "the engine hears the refusal too"
+    );
+    assert!((0..PAGES).all(|p| decode.page(p).iter().all(|&b| b == 0)));
+}
+
+/// The quiescence guard, and the spec's `AbortAckBeforeQuiescence` mutant shown to break it:
+/// a write held back past decode's `WriteAbort` lands before the answer, or after it.
+#[tokio::test]
+async fn the_abort_answer_waits_for_posted_writes_and_the_mutant_does_not() {
+    for ack_before_quiescence in [false, true] {
+        let faults = WriterFaults {
+            write_delay: Some(Duration::from_millis(300)),
+            delayed_transfer: None,
+            ack_before_quiescence,
+        };
+        let (mut link, mut decode) = linked(faults).await;
+        link.tx.send(page(1, 0x77)).unwrap();
+        assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+        decode.send(grant(vec![1])).await;
+        // Let the write be posted (it then sleeps), then ask prefill to stop.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        decode.send(Frame::WriteAbort { transfer: T }).await;
+        assert_eq!(
+            link.rx.recv().await,
+            Some(Frame::WriteAbort { transfer: T })
+        );
+        link.tx.send(page(2, 0x88)).unwrap(); // after the stop: never written
+        link.tx.send(Frame::WriteAbortAck { transfer: T }).unwrap();
+        assert_eq!(decode.next().await, Frame::WriteAbortAck { transfer: T });
+        let landed = decode.page(1).iter().all(|&b| b == 0x77);
+        assert_eq!(
+            landed, !ack_before_quiescence,
+            "with the guard the write has landed when the answer comes; the mutant answers first"
+        );
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            decode.page(1).iter().all(|&b| b == 0x77),
+            "the held write lands in the end"
+        );
+        assert!((2..PAGES).all(|p| decode.page(p).iter().all(|&b| b == 0)));
+    }
+}
+
+#[tokio::test]
+async fn a_fenced_link_writes_nothing_more() {
+    let (link, mut decode) = linked(WriterFaults::default()).await;
+    link.tx.send(page(1, 0x11)).unwrap();
+    assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+    decode.fence.fence();
+    assert!(decode.fence.quiesced());
+    decode.send(grant(vec![0])).await;
+    link.tx.send(done()).unwrap();
+    assert_eq!(decode.next().await, done());
+    assert!(
+        decode.page(0).iter().all(|&b| b == 0),
+        "fenced: not written"
+    );
+}
+
+#[tokio::test]
+async fn an_offer_of_another_page_size_is_refused() {
+    let (prefill_end, decode_end) = UnixStream::pair().expect("socket pair");
+    let pool = PageCells::<u8>::zeroed_shared(PAGES, PAGE_BYTES).expect("memfd");
+    let fence = WriteFence::create().expect("fence");
+    let pool_fd = pool.shared_fd().expect("shared");
+    let offered = offer_pool(
+        &decode_end,
+        pool_fd,
+        PAGES as u32,
+        PAGE_BYTES as u64,
+        &fence,
+    );
+    let accepted = accept_pool(&prefill_end, PAGE_BYTES * 2);
+    let (offered, accepted) = tokio::join!(offered, accepted);
+    offered.expect("offered");
+    let error = accepted.err().expect("refused");
+    assert!(error.to_string().contains("agreed size"), "{error}");
+    // A peer that sends bytes but no descriptors is no pool offer either.
+    let (prefill_end, decode_end) = UnixStream::pair().expect("socket pair");
+    let mut decode_end = decode_end;
+    tokio::io::AsyncWriteExt::write_all(&mut decode_end, &[0u8; 16])
+        .await
+        .unwrap();
+    assert!(accept_pool(&prefill_end, PAGE_BYTES).await.is_err());
+}
