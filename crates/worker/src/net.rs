@@ -424,8 +424,19 @@ impl Shared {
             .connect(addr)
             .await
             .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
+        self.check_decode_peer(&mut stream, addr).await?;
+        Ok(spawn_link(stream, format!("{}-to-{addr}", self.info.name)))
+    }
+
+    /// Authenticates the worker at the other end of `stream` and checks that it is a decode
+    /// worker of the same model, weights, KV layout and context as this prefill (I8).
+    async fn check_decode_peer<S: transfer::transport::ByteStream>(
+        &self,
+        stream: &mut S,
+        addr: &str,
+    ) -> Result<(), String> {
         let expect = Expectation::of(&self.info);
-        let info = connect_handshake(&mut stream, PeerRole::Prefill, &self.secret, &expect)
+        let info = connect_handshake(stream, PeerRole::Prefill, &self.secret, &expect)
             .await
             .map_err(|error| format!("decode worker {addr} refused: {error}"))?;
         if info.role != Role::Decode {
@@ -434,7 +445,7 @@ impl Shared {
                 info.role
             ));
         }
-        Ok(spawn_link(stream, format!("{}-to-{addr}", self.info.name)))
+        Ok(())
     }
 
     /// [`Shared::connect_peer`] over a Unix socket: after the same checks, maps the decode
@@ -443,16 +454,7 @@ impl Shared {
         let mut stream = connect_unix(path)
             .await
             .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
-        let expect = Expectation::of(&self.info);
-        let info = connect_handshake(&mut stream, PeerRole::Prefill, &self.secret, &expect)
-            .await
-            .map_err(|error| format!("decode worker {addr} refused: {error}"))?;
-        if info.role != Role::Decode {
-            return Err(format!(
-                "worker {addr} is a {:?} worker, not decode",
-                info.role
-            ));
-        }
+        self.check_decode_peer(&mut stream, addr).await?;
         let pool = accept_pool(&stream, self.page_bytes)
             .await
             .map_err(|error| format!("decode worker {addr} shared no pool: {error}"))?;

@@ -38,7 +38,9 @@ impl Decode {
     }
 }
 
-async fn linked(faults: WriterFaults) -> (Link, Decode) {
+/// Decode offers a fresh pool of `PAGES` pages over a socket pair; prefill accepts it as pages
+/// of `accepted_page_bytes`. Returns prefill's end, what it made of the offer, and decode's end.
+async fn offer(accepted_page_bytes: usize) -> (UnixStream, io::Result<SharedPool>, Decode) {
     let (prefill_end, decode_end) = UnixStream::pair().expect("socket pair");
     let pool = PageCells::<u8>::zeroed_shared(PAGES, PAGE_BYTES).expect("memfd");
     let fence = WriteFence::create().expect("fence");
@@ -50,21 +52,21 @@ async fn linked(faults: WriterFaults) -> (Link, Decode) {
         PAGE_BYTES as u64,
         &fence,
     );
-    let accepted = accept_pool(&prefill_end, PAGE_BYTES);
+    let accepted = accept_pool(&prefill_end, accepted_page_bytes);
     let (offered, accepted) = tokio::join!(offered, accepted);
     offered.expect("offered");
-    let shared = accepted.expect("accepted");
-    let link = spawn_one_sided_link(
-        Box::new(prefill_end),
-        "test".into(),
-        Arc::new(shared),
-        faults,
-    );
     let decode = Decode {
         pool,
         fence,
         socket: decode_end,
     };
+    (prefill_end, accepted, decode)
+}
+
+async fn linked(faults: WriterFaults) -> (Link, Decode) {
+    let (prefill_end, accepted, decode) = offer(PAGE_BYTES).await;
+    let shared = Arc::new(accepted.expect("accepted"));
+    let link = spawn_one_sided_link(Box::new(prefill_end), "test".into(), shared, faults);
     (link, decode)
 }
 
@@ -245,20 +247,7 @@ async fn a_fenced_link_writes_nothing_more() {
 
 #[tokio::test]
 async fn an_offer_of_another_page_size_is_refused() {
-    let (prefill_end, decode_end) = UnixStream::pair().expect("socket pair");
-    let pool = PageCells::<u8>::zeroed_shared(PAGES, PAGE_BYTES).expect("memfd");
-    let fence = WriteFence::create().expect("fence");
-    let pool_fd = pool.shared_fd().expect("shared");
-    let offered = offer_pool(
-        &decode_end,
-        pool_fd,
-        PAGES as u32,
-        PAGE_BYTES as u64,
-        &fence,
-    );
-    let accepted = accept_pool(&prefill_end, PAGE_BYTES * 2);
-    let (offered, accepted) = tokio::join!(offered, accepted);
-    offered.expect("offered");
+    let (_, accepted, _) = offer(PAGE_BYTES * 2).await;
     let error = accepted.err().expect("refused");
     assert!(error.to_string().contains("agreed size"), "{error}");
     // A peer that sends bytes but no descriptors is no pool offer either.

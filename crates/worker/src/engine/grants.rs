@@ -411,6 +411,23 @@ struct LinkSink {
     faults: Mutex<FaultPlan>,
 }
 
+impl LinkSink {
+    /// Tells the engine of a frame this link's reader did not land (`reject`: why, if the
+    /// reservation's checks refused it; `None`: no live reservation takes it).
+    fn refused(&self, transfer: TransferId, reject: Option<Reject>) {
+        let refused = Event::PageRefused {
+            link: self.link,
+            transfer,
+            reject,
+        };
+        let _ = self
+            .events
+            .lock()
+            .expect("the events lock is never held across a panic")
+            .send(refused);
+    }
+}
+
 impl PageSink for LinkSink {
     fn claim(&self, header: &PageHeader) -> Option<LentPageMut> {
         let reject = match self.grants.claim(self.link, header) {
@@ -428,16 +445,7 @@ impl PageSink for LinkSink {
             Claim::Unknown => None,
             Claim::Refused(reject) => Some(reject),
         };
-        let refused = Event::PageRefused {
-            link: self.link,
-            transfer: header.transfer,
-            reject,
-        };
-        let _ = self
-            .events
-            .lock()
-            .expect("the events lock is never held across a panic")
-            .send(refused);
+        self.refused(header.transfer, reject);
         None
     }
 
@@ -464,16 +472,7 @@ impl PageSink for LinkSink {
                 frame
             }
             Err(reject) => {
-                let refused = Event::PageRefused {
-                    link: self.link,
-                    transfer,
-                    reject,
-                };
-                let _ = self
-                    .events
-                    .lock()
-                    .expect("the events lock is never held across a panic")
-                    .send(refused);
+                self.refused(transfer, reject);
                 match reject {
                     // The reservation's checks refused it: the transfer fails, both sides.
                     Some(reject) => Frame::Nack { transfer, reject },

@@ -51,9 +51,7 @@ use std::ops::ControlFlow;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{
-    Failure, Frame, PerTransport, PrefixCounters, Submit, TransferCounters, TransferId,
-};
+use transfer::{Failure, Frame, PerTransport, PrefixCounters, Submit, TransferId};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -418,16 +416,6 @@ impl Engine {
             (Some(delay), Some(entry)) => send_later(entry.tx.clone(), frame, delay),
             _ => self.send(link, frame),
         }
-    }
-
-    /// The counters of the transport `link`'s transfers take.
-    fn transfer_counters(&mut self, link: LinkId) -> &mut TransferCounters {
-        &mut self.transfer_counters[self.transport_index(link)]
-    }
-
-    /// `link`'s transport, as an index of [`transfer::TRANSPORTS`].
-    fn transport_index(&self, link: LinkId) -> usize {
-        usize::from(self.links.get(&link).is_some_and(|entry| entry.one_sided))
     }
 
     fn send(&self, link: LinkId, frame: Frame) {

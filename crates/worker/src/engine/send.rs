@@ -201,22 +201,10 @@ impl Engine {
             .filter(|frame| matches!(frame, Frame::Page { .. }))
             .count() as u64;
         self.pages_sent += pages;
-        let peer = stream.peer;
-        self.transfer_counters(peer).bytes_sent += pages * page_bytes;
-        let Some(Phase::Admitted {
-            stage:
-                Stage::Prefilling {
-                    stream: Some(stream),
-                    ..
-                },
-            ..
-        }) = self.requests.get_mut(&key).map(|r| &mut r.phase)
-        else {
+        let Some(peer) = self.links.get(&stream.peer) else {
             return;
         };
-        let Some(peer) = self.links.get(&peer) else {
-            return;
-        };
+        self.transfer_counters[usize::from(peer.one_sided)].bytes_sent += pages * page_bytes;
         let frames = match &mut stream.held {
             Some(held) => {
                 held.extend(frames);
