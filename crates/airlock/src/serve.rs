@@ -168,7 +168,7 @@ pub struct ServeArgs {
     common: CommonArgs,
     /// How KV pages get from the prefill worker to the decode worker: shm writes them
     /// straight into decode's pool through shared memory (a memfd passed over a Unix socket
-    /// in a private temporary directory); tcp sends them as frames over loopback TCP
+    /// in the abstract namespace); tcp sends them as frames over loopback TCP
     #[arg(long, env = "AIRLOCK_KV_TRANSPORT", value_enum, default_value_t = KvTransport::Shm)]
     kv_transport: KvTransport,
 }
@@ -204,9 +204,10 @@ pub struct WorkerArgs {
     /// Worker name in logs and metrics [default: ROLE@HOST:PORT]
     #[arg(long, env = "AIRLOCK_NAME")]
     name: Option<String>,
-    /// Decode only: also listen on this Unix socket. Prefill workers on this host that are
-    /// sent here as unix:PATH (router --decode unix:PATH) write KV pages straight into this
-    /// worker's pool, which is then shared memory; TCP links work as before
+    /// Decode only: also listen on this Unix socket (a path, or @NAME for Linux's abstract
+    /// namespace). Prefill workers on this host that are sent here as unix:PATH (router
+    /// --decode unix:PATH) write KV pages straight into this worker's pool, which is then
+    /// shared memory; TCP links work as before
     #[arg(long, env = "AIRLOCK_KV_SOCKET")]
     kv_socket: Option<PathBuf>,
 }
@@ -507,44 +508,18 @@ async fn spawn_worker(
     Ok(worker)
 }
 
-/// A Unix socket in a fresh private directory (mode 0700), removed with it on drop.
-struct PrivateSocket {
-    dir: PathBuf,
-    path: PathBuf,
-}
-
-impl PrivateSocket {
-    fn bind(name: &str) -> Result<(PrivateSocket, tokio::net::UnixListener)> {
-        use std::hash::{BuildHasher, Hasher};
-        use std::os::unix::fs::DirBuilderExt;
-        let nonce = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        let unique = format!("airlock-{}-{nonce:016x}", std::process::id());
-        let dir = std::env::temp_dir().join(unique);
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .with_context(|| format!("creating {}", dir.display()))?;
-        let path = dir.join(name);
-        let socket = PrivateSocket {
-            dir,
-            path: path.clone(),
-        };
-        let listener = tokio::net::UnixListener::bind(&path)
-            .with_context(|| format!("cannot listen on {}", path.display()))?;
-        Ok((socket, listener))
-    }
-
-    fn address(&self) -> String {
-        format!("{UNIX_PREFIX}{}", self.path.display())
-    }
-}
-
-impl Drop for PrivateSocket {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A fresh Unix socket in the abstract namespace (it leaves no file behind, however the
+/// process ends; links over it authenticate with the process's random cluster secret like
+/// any other), and its `unix:@…` address.
+fn private_socket(role: &str) -> Result<(tokio::net::UnixListener, String)> {
+    use std::hash::{BuildHasher, Hasher};
+    let nonce = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let path = format!("@airlock-{}-{nonce:016x}-{role}", std::process::id());
+    let listener = transfer::transport::bind_unix(&path)
+        .with_context(|| format!("cannot listen on the Unix socket {path}"))?;
+    Ok((listener, format!("{UNIX_PREFIX}{path}")))
 }
 
 fn tenants(args: &CommonArgs) -> Result<Tenants> {
@@ -685,16 +660,15 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
     let file = read_model_file(&args)?;
     let secret = cluster_secret(&args, true)?;
     runtime()?.block_on(async {
-        let (_socket, decode_listener, decode_addr) = match transport {
+        let (decode_listener, decode_addr) = match transport {
             KvTransport::Shm => {
-                let (socket, listener) = PrivateSocket::bind("decode.sock")?;
-                let addr = socket.address();
-                (Some(socket), Listener::Unix(listener), addr)
+                let (listener, addr) = private_socket("decode")?;
+                (Listener::Unix(listener), addr)
             }
             KvTransport::Tcp => {
                 let listener = bind("127.0.0.1", 0).await?;
                 let addr = listener.local_addr()?.to_string();
-                (None, Listener::Tcp(listener), addr)
+                (Listener::Tcp(listener), addr)
             }
         };
         let prefill_listener = bind("127.0.0.1", 0).await?;
@@ -781,13 +755,13 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
             .unwrap_or_else(|| format!("{role_name}@{address}"));
         let mut listeners = vec![Listener::Tcp(listener)];
         if let Some(path) = &args.kv_socket {
-            // A socket left by an earlier run of this worker is replaced.
+            // A socket file left by an earlier run of this worker is replaced.
             if std::fs::symlink_metadata(path)
                 .is_ok_and(|meta| std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()))
             {
                 let _ = std::fs::remove_file(path);
             }
-            let unix = tokio::net::UnixListener::bind(path)
+            let unix = transfer::transport::bind_unix(&path.to_string_lossy())
                 .with_context(|| format!("cannot listen on {}", path.display()))?;
             listeners.push(Listener::Unix(unix));
         }

@@ -966,3 +966,34 @@ fn page_hashes_are_xxh3_under_the_page_secret_at_every_length() {
         );
     }
 }
+
+/// `unix:@name` addresses: a socket in the abstract namespace, bound and reached by name, and
+/// one at a path; a frame crosses each.
+#[tokio::test]
+async fn unix_sockets_by_path_and_by_abstract_name_carry_frames() {
+    use crate::transport::{bind_unix, connect_unix, read_frame, unix_path, write_frame};
+    let dir = std::env::temp_dir().join(format!("airlock-unix-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir(&dir).unwrap();
+    let by_path = format!("unix:{}", dir.join("s.sock").display());
+    let by_name = format!("unix:@airlock-unix-test-{}", std::process::id());
+    for addr in [by_path, by_name] {
+        let path = unix_path(&addr).expect("a unix address");
+        let listener = bind_unix(path).expect("binds");
+        let (connected, accepted) = tokio::join!(connect_unix(path), listener.accept());
+        let (mut ours, (mut theirs, _)) = (connected.expect("connects"), accepted.unwrap());
+        let frame = Frame::Ack {
+            transfer: TransferId(3),
+        };
+        write_frame(&mut ours, &frame).await.unwrap();
+        assert_eq!(
+            read_frame(&mut theirs).await.unwrap(),
+            Some(frame),
+            "{addr}"
+        );
+    }
+    // Nothing listens there any more: refused, not hung.
+    assert!(connect_unix("@airlock-nobody-listens-here").await.is_err());
+    assert!(unix_path("10.0.0.1:9002").is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -350,8 +350,10 @@ impl Transport for Tcp {
     }
 }
 
-/// The address prefix of a Unix socket path (`unix:/run/airlock/decode.sock`): a worker on
-/// this host, reached without TCP, whose prefill links use the one-sided transport.
+/// The address prefix of a Unix socket (`unix:/run/airlock/decode.sock`): a worker on this
+/// host, reached without TCP, whose prefill links use the one-sided transport. A path that
+/// starts with `@` names a socket in Linux's abstract namespace (`unix:@airlock-decode`),
+/// which leaves no file behind.
 pub const UNIX_PREFIX: &str = "unix:";
 
 /// The socket path of a `unix:` address.
@@ -359,9 +361,40 @@ pub fn unix_path(addr: &str) -> Option<&str> {
     addr.strip_prefix(UNIX_PREFIX)
 }
 
-/// A Unix socket at `path`.
+/// The abstract-namespace address of an `@name` path.
+fn abstract_address(path: &str) -> Option<io::Result<std::os::unix::net::SocketAddr>> {
+    use std::os::linux::net::SocketAddrExt;
+    let name = path.strip_prefix('@')?;
+    Some(std::os::unix::net::SocketAddr::from_abstract_name(
+        name.as_bytes(),
+    ))
+}
+
+/// A stream to the Unix socket at `path` (`@name`: abstract).
 pub async fn connect_unix(path: &str) -> io::Result<tokio::net::UnixStream> {
-    tokio::net::UnixStream::connect(path).await
+    match abstract_address(path) {
+        Some(address) => {
+            // A local connect: it completes at once, or fails, unless the listener's backlog
+            // is full.
+            let stream = std::os::unix::net::UnixStream::connect_addr(&address?)?;
+            stream.set_nonblocking(true)?;
+            tokio::net::UnixStream::from_std(stream)
+        }
+        None => tokio::net::UnixStream::connect(path).await,
+    }
+}
+
+/// Listens on the Unix socket at `path` (`@name`: abstract). Must be called inside a tokio
+/// runtime.
+pub fn bind_unix(path: &str) -> io::Result<tokio::net::UnixListener> {
+    match abstract_address(path) {
+        Some(address) => {
+            let listener = std::os::unix::net::UnixListener::bind_addr(&address?)?;
+            listener.set_nonblocking(true)?;
+            tokio::net::UnixListener::from_std(listener)
+        }
+        None => tokio::net::UnixListener::bind(path),
+    }
 }
 
 /// TCP for `host:port`, a Unix socket for `unix:PATH`: how a router reaches workers of both
