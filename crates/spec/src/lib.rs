@@ -8,9 +8,10 @@
 //! tested against the real pool operation by operation. Faults are actions: message loss,
 //! duplication, reordering (the network is a multiset), corruption, a link reset, a crash and
 //! restart, a client disconnect, a retry that reuses the request's identity, and the incident's
-//! placeholder transfer. Two transports: the framed one the code has, and a design model of a
-//! one-sided (RDMA-write) one, where posted writes land without looking at page headers and
-//! only the quiescence protocol keeps them out of reused pages.
+//! placeholder transfer. Two transports, both in the code: the framed one (TCP), and the
+//! one-sided one (`transfer::one_sided`, through shared memory; an RDMA-write transport would
+//! follow the same rules), where posted writes land without looking at page headers and only
+//! the quiescence protocol keeps them out of reused pages.
 //!
 //! A second model, [`prefix_cache`], checks the tenant-scoped prefix cache on both workers and
 //! the delta transfer it enables (decode reuses its cached pages, prefill sends only the rest):

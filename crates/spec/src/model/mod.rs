@@ -67,14 +67,15 @@ pub enum Mutant {
 /// How page bytes get from prefill into decode's pages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Transport {
-    /// The code today: prefill copies its pages into `Page` frames on a link; decode writes a
-    /// frame's bytes only through the live reservation (`Engine::page`, `verify_receiving`),
-    /// so a frame of a dropped reservation touches nothing and decode may free at once.
+    /// TCP in the code: prefill sends its pages in `Page` frames on a link; decode writes a
+    /// frame's bytes only through the live reservation (`Grants::claim`, `Inbound`), so a
+    /// frame of a dropped reservation touches nothing and decode may free at once.
     Framed,
-    /// A design model of the zero-copy (RDMA-write) transport that the `Sending` /
-    /// `Quarantined` states and deferred release exist for, not implemented: prefill posts
-    /// writes straight into decode's pages, and a posted write lands whatever the page's
-    /// header says until prefill has seen it complete. Prefill sends `Done` only after its
+    /// The zero-copy transport that the `Sending` / `Quarantined` states and deferred release
+    /// exist for: shared memory in the code (`transfer::one_sided`, `worker`'s `Grants`), and
+    /// what an RDMA-write transport would follow. Prefill posts writes straight into decode's
+    /// pages, and a posted write lands whatever the page's header says until prefill has seen
+    /// it complete. Prefill sends `Done` only after its
     /// writes completed; decode, aborting, quarantines the reservation and asks prefill to
     /// stop (`WriteAbort`), and frees it on prefill's `WriteAbortAck` (sent once prefill's
     /// writes have quiesced) or when the link is gone.
