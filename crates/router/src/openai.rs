@@ -85,6 +85,8 @@ struct Common {
     /// Not in OpenAI's API; accepted as llama.cpp and vLLM do. 0 is off.
     #[schema(minimum = 0, maximum = 4294967295_i64)]
     top_k: Option<i64>,
+    /// The same seed and request give the same answer; without one, each request samples
+    /// from a fresh random seed.
     seed: Option<i64>,
     stop: Option<Stop>,
     #[schema(minimum = 1, maximum = 1)]
@@ -142,6 +144,25 @@ struct ContentPart {
     #[serde(rename = "type")]
     kind: String,
     text: Option<String>,
+}
+
+/// A request's sampling seed: the client's, so the same seed and request reproduce the answer
+/// (OpenAI seeds are signed; the bits are what matter), or a fresh random one, so identical
+/// requests sample independently, as OpenAI's, vLLM's and llama-server's do.
+fn sampling_seed(requested: Option<i64>) -> u64 {
+    if let Some(seed) = requested {
+        return seed as u64;
+    }
+    let mut bytes = [0u8; 8];
+    if getrandom::getrandom(&mut bytes).is_ok() {
+        return u64::from_le_bytes(bytes);
+    }
+    // No OS randomness: std's per-process random keys, stepped for every hasher, are fresh
+    // enough to sample from (this seed guards nothing).
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }
 
 /// A checked request, ready for admission.
@@ -479,8 +500,7 @@ fn build_job(
             temperature: temperature as f32,
             top_p,
             top_k: top_k as u32,
-            // OpenAI seeds are signed; the bits are what matter.
-            seed: common.seed.unwrap_or(0) as u64,
+            seed: sampling_seed(common.seed),
         },
         stop,
         ignore_eos: common.ignore_eos.unwrap_or(false),

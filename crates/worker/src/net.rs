@@ -161,10 +161,9 @@ pub fn start_worker_on(
         .spawn(move || {
             let outcome =
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| engine.run(events_rx)));
-            if outcome.is_err() {
+            if let Err(panic) = outcome {
                 // A broken invariant: the worker must not go on serving with it.
-                eprintln!("airlock: worker engine stopped on a broken invariant; exiting");
-                std::process::exit(70);
+                broken_invariant(panic.as_ref());
             }
         })?;
     let shared = Arc::new(Shared {
@@ -467,6 +466,23 @@ impl Shared {
             faults,
         ))
     }
+}
+
+/// Says which invariant broke, and exits (status 70). Written to the process's stderr itself,
+/// not through `eprintln!`, which a test harness captures for the threads a test spawned (and
+/// loses when the process exits).
+fn broken_invariant(panic: &(dyn std::any::Any + Send)) -> ! {
+    use std::io::Write;
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|message| message.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string());
+    let _ = writeln!(
+        std::io::stderr(),
+        "airlock: worker engine stopped on a broken invariant ({message}); exiting"
+    );
+    std::process::exit(70)
 }
 
 /// A per-process random number, so a restarted worker is told apart from its predecessor.

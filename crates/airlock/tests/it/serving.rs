@@ -103,6 +103,52 @@ fn greedy_output_is_the_same_through_serve_unified_and_generate() {
     }
 }
 
+/// Sampling at temperature 1: a request without a `seed` draws a fresh one, so the same
+/// request asked again is answered independently (issue 22: every request once sampled from
+/// seed 0); the same explicit `seed` reproduces the answer exactly, on either path.
+#[test]
+fn without_a_seed_each_request_samples_afresh_and_a_seed_reproduces() {
+    for mode in [Mode::Unified, Mode::Disaggregated] {
+        let server = start(Options::new(mode));
+        runtime().block_on(async {
+            let url = &server.url;
+            let sampled = |seed: Option<i64>| {
+                let mut body = json!({
+                    "model": MODEL,
+                    "prompt": "Once upon a time, in a small village by the sea,",
+                    "max_tokens": 24,
+                    "temperature": 1.0,
+                    "ignore_eos": true,
+                });
+                if let Some(seed) = seed {
+                    body["seed"] = json!(seed);
+                }
+                async move {
+                    let answer = post(url, "/v1/completions", body).await;
+                    assert_eq!(answer.status, 200, "{}", answer.body);
+                    answer.json()["choices"][0]["text"]
+                        .as_str()
+                        .expect("text")
+                        .to_string()
+                }
+            };
+            // Three unseeded answers, of 24 tokens sampled at temperature 1: all equal only
+            // if every request drew the same seed.
+            let unseeded = [
+                sampled(None).await,
+                sampled(None).await,
+                sampled(None).await,
+            ];
+            assert!(
+                unseeded.iter().any(|text| *text != unseeded[0]),
+                "{mode:?}: identical unseeded answers {unseeded:?}"
+            );
+            let seeded = [sampled(Some(7)).await, sampled(Some(7)).await];
+            assert_eq!(seeded[0], seeded[1], "{mode:?}: the same seed differs");
+        });
+    }
+}
+
 #[test]
 fn oversized_requests_get_400_and_others_still_succeed() {
     // A pool (512 tokens) smaller than the context (8192): what the start-up check will
