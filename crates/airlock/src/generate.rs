@@ -87,15 +87,9 @@ pub fn run(args: Args) -> Result<()> {
             .context("this model has no chat template")?;
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
-            messages.push(ChatMessage {
-                role: "system".into(),
-                content: system.clone(),
-            });
+            messages.push(ChatMessage::new("system", system.clone()));
         }
-        messages.push(ChatMessage {
-            role: "user".into(),
-            content: args.prompt.clone(),
-        });
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
         template.render(&messages, true)?
     } else {
         args.prompt.clone()
@@ -131,6 +125,7 @@ pub fn run(args: Args) -> Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..SamplingParams::greedy()
         },
         stop: args.stop.clone(),
         stop_at_eos: !args.ignore_eos,

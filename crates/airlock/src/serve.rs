@@ -10,6 +10,7 @@ use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
 use model_args::{ModelArgs, DEFAULT_MODEL_NAME};
+use router::openai::SamplingDefaults;
 use router::{AppState, Cluster, EdgeConfig, Metrics, RouterConfig, Tenants};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -100,9 +101,57 @@ pub struct CommonArgs {
     #[arg(long, env = "AIRLOCK_IN_FLIGHT_MAX", default_value_t = 512)]
     pub in_flight_max: usize,
     #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
     pub http: HttpArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+}
+
+/// Sampling defaults for requests that leave a setting out (a request's own value wins).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SamplingArgs {
+    /// Temperature for a request that gives none (0 to 2; 0 is greedy) [OpenAI's default: 1]
+    #[arg(long, env = "AIRLOCK_TEMPERATURE", default_value_t = 1.0,
+          value_parser = parse_unit_range(0.0, 2.0))]
+    pub temperature: f64,
+    /// top_p for a request that gives none (above 0, at most 1; 1 is off)
+    #[arg(long, env = "AIRLOCK_TOP_P", default_value_t = 1.0,
+          value_parser = parse_top_p)]
+    pub top_p: f64,
+    /// top_k for a request that gives none (0 is off)
+    #[arg(long, env = "AIRLOCK_TOP_K", default_value_t = 0)]
+    pub top_k: u32,
+    /// min_p for a request that gives none (0 to 1; 0 is off)
+    #[arg(long, env = "AIRLOCK_MIN_P", default_value_t = 0.0,
+          value_parser = parse_unit_range(0.0, 1.0))]
+    pub min_p: f64,
+}
+
+impl SamplingArgs {
+    pub fn defaults(&self) -> SamplingDefaults {
+        SamplingDefaults {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+        }
+    }
+}
+
+/// A parser of numbers from `low` to `high`.
+fn parse_unit_range(low: f64, high: f64) -> impl Fn(&str) -> Result<f64, String> + Clone {
+    move |text| match text.parse::<f64>() {
+        Ok(value) if (low..=high).contains(&value) => Ok(value),
+        _ => Err(format!("expected a number from {low} to {high}")),
+    }
+}
+
+fn parse_top_p(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(value) if value > 0.0 && value <= 1.0 => Ok(value),
+        _ => Err("expected a number above 0 and at most 1".into()),
+    }
 }
 
 /// The HTTP edge's bounds (serve, router, unified): what a client that never finishes a
@@ -572,6 +621,7 @@ async fn run_router(
         context_length: context_length.unwrap_or(file.shape.context_length_max) as usize,
         body_bytes_max: args.body_bytes_max,
         default_max_tokens: args.default_max_tokens,
+        sampling_defaults: args.sampling.defaults(),
         in_flight_max: args.in_flight_max,
         start_timeout: Duration::from_millis(args.queue_timeout_ms + args.transfer_timeout_ms),
         body_timeout: Duration::from_millis(args.http.body_timeout_ms),
@@ -646,7 +696,8 @@ fn print_ready(address: &str, model_name: &str, open: bool) {
     println!(
         "Try:\n  curl http://{address}/v1/chat/completions{auth} -H 'Content-Type: application/json' \
          -d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \
-         \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
+         \"What is the capital of France? Answer in one word.\"}}], \"temperature\": 0.2, \
+         \"max_tokens\": 32}}'"
     );
 }
 

@@ -1,9 +1,13 @@
 """Drives `airlock serve` with the official openai client: chat and completions, streaming and
-not, as two tenants; a wrong key must raise AuthenticationError.
+not, as two tenants; a wrong key must raise AuthenticationError; sampling draws afresh
+without a seed and reproduces with one; logit_bias bans a token; the fields Airlock cannot
+honour are refused with 400 naming them, and the no-op ones are accepted.
 
 Usage: openai_client.py BASE_URL KEY_A KEY_B MODEL
 """
+import json
 import sys
+import urllib.request
 
 import openai
 
@@ -64,8 +68,104 @@ def check_tenant(key: str) -> None:
     assert streamed == completion.choices[0].text, (streamed, completion)
 
 
+def check_sampling(key: str) -> None:
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+    def texts(**extra):
+        return [
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, temperature=1, **extra
+            )
+            .choices[0]
+            .message.content
+            for _ in range(10)
+        ]
+
+    unseeded = texts()
+    assert len(set(unseeded)) >= 8, unseeded
+    seeded = texts(seed=7)
+    assert len(set(seeded)) == 1, seeded
+
+    # The greedy next token of this prompt, banned with a bias of -100, never comes out of
+    # 50 completions sampled at temperature 1 (it is the likeliest, so without the bias it
+    # would come out of most of them).
+    prompt = "The capital of France is"
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    banned_text = greedy.choices[0].text
+    request = urllib.request.Request(
+        base_url.removesuffix("/v1") + "/tokenize",
+        data=json.dumps({"model": model, "prompt": prompt + banned_text}).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        tokenized = json.load(answer)["tokens"]
+    banned = tokenized[-1]
+    unbiased = [
+        client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=1)
+        .choices[0]
+        .text
+        for _ in range(50)
+    ]
+    assert unbiased.count(banned_text) >= 10, (banned_text, unbiased)
+    biased = [
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=1,
+            temperature=1,
+            logit_bias={str(banned): -100},
+        )
+        .choices[0]
+        .text
+        for _ in range(50)
+    ]
+    assert banned_text not in biased, (banned_text, biased)
+
+    # The rest of the sampling settings, as the client sends them.
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        top_p=0.9,
+        extra_body={"min_p": 0.05, "top_k": 40, "repetition_penalty": 1.1},
+        user="user-1",
+        metadata={"suite": "openai_client"},
+        store=False,
+    )
+    assert chat.choices[0].message.content is not None, chat
+
+    scored = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = scored.choices[0].logprobs.content
+    assert len(content) == scored.usage.completion_tokens, scored
+    assert all(len(token.top_logprobs) == 2 for token in content), content
+
+    three = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=8, temperature=1, n=3
+    )
+    assert sorted(choice.index for choice in three.choices) == [0, 1, 2], three
+
+    for extra, param in [
+        ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"n": 17}, "n"),
+    ]:
+        try:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=2, **extra)
+        except openai.BadRequestError as error:
+            assert error.status_code == 400 and error.param == param, (param, error)
+        else:
+            raise AssertionError(f"{param} was accepted")
+
+
 check_tenant(key_a)
 check_tenant(key_b)
+check_sampling(key_a)
 
 bad = openai.OpenAI(base_url=base_url, api_key="sk-wrong-key-000000", max_retries=0)
 try:

@@ -20,6 +20,8 @@ pub struct ChatMessage {
     /// `"system"`, `"user"`, `"assistant"`...
     pub role: String,
     pub content: String,
+    /// The participant's name, given to the template as `name` when set.
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -27,6 +29,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            name: None,
         }
     }
 }
@@ -90,10 +93,18 @@ impl ChatTemplate {
         let messages: Vec<JinjaValue> = messages
             .iter()
             .map(|m| {
-                JinjaValue::from_iter([
-                    ("role", JinjaValue::from(m.role.as_str())),
-                    ("content", JinjaValue::from(m.content.as_str())),
-                ])
+                let name = m
+                    .name
+                    .as_deref()
+                    .map(|name| ("name", JinjaValue::from(name)));
+                JinjaValue::from_iter(
+                    [
+                        ("role", JinjaValue::from(m.role.as_str())),
+                        ("content", JinjaValue::from(m.content.as_str())),
+                    ]
+                    .into_iter()
+                    .chain(name),
+                )
             })
             .collect();
         let ctx = JinjaValue::from_iter([
@@ -154,6 +165,24 @@ mod tests {
             "<s>[user]Hi\n[assistant]Yo\n[assistant]</s>"
         );
         assert_eq!(t.render(&[], false).expect("renders"), "<s></s>");
+    }
+
+    #[test]
+    fn a_name_reaches_the_template_only_when_set() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}: \
+             {{ m.content }};{% endfor %}",
+            "",
+            "",
+        )
+        .expect("test template compiles");
+        let mut named = ChatMessage::new("user", "Hi");
+        named.name = Some("ada".into());
+        let msgs = [named, ChatMessage::new("user", "Yo")];
+        assert_eq!(
+            t.render(&msgs, false).expect("renders"),
+            "user(ada): Hi;user: Yo;"
+        );
     }
 
     #[test]

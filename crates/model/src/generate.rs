@@ -115,7 +115,7 @@ fn run(
         .to_vec();
 
     let started = Instant::now();
-    let mut sampler = Sampler::new(request.sampling.clone());
+    let mut sampler = Sampler::new(request.sampling.clone(), &request.prompt);
     let mut stops = StopMatcher::new(&request.stop);
     let mut pending_bytes = Vec::new();
     let mut tokens = Vec::new();

@@ -27,5 +27,5 @@ pub use generate::{
 pub use load::{LoadOptions, LoadProgress, Loaded, Model};
 pub use logits::Logits;
 pub use oracle::OracleModel;
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{logprobs, Sampler, SamplingParams};
 pub use stop::StopMatcher;

@@ -5,6 +5,7 @@
 use crate::responses::{ErrorBody, ErrorDetail};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use std::borrow::Cow;
 use transfer::Failure;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -12,7 +13,8 @@ pub enum ApiError {
     /// 400: the request is malformed or asks for something we do not do.
     InvalidRequest {
         message: String,
-        param: Option<&'static str>,
+        /// The field at fault, as a dotted path for nested ones (`messages[1].content`).
+        param: Option<Cow<'static, str>>,
     },
     /// 400: prompt + max_tokens over the context length or a worker's whole pool.
     /// `param` names what to change: the prompt (`messages` or `prompt`) when it alone is too
@@ -150,9 +152,9 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         let row = self.row();
         let param = match self {
-            ApiError::InvalidRequest { param, .. } => *param,
-            ApiError::ContextLengthExceeded { param, .. } => Some(*param),
-            ApiError::ModelNotFound { .. } => Some("model"),
+            ApiError::InvalidRequest { param, .. } => param.clone(),
+            ApiError::ContextLengthExceeded { param, .. } => Some(Cow::Borrowed(*param)),
+            ApiError::ModelNotFound { .. } => Some(Cow::Borrowed("model")),
             _ => None,
         };
         ErrorBody {
@@ -198,10 +200,10 @@ impl ApiError {
         }
     }
 
-    pub fn invalid(message: impl Into<String>, param: &'static str) -> ApiError {
+    pub fn invalid(message: impl Into<String>, param: impl Into<Cow<'static, str>>) -> ApiError {
         ApiError::InvalidRequest {
             message: message.into(),
-            param: Some(param),
+            param: Some(param.into()),
         }
     }
 }

@@ -3,7 +3,8 @@
 //! workers, and the relay of each answer back to its client.
 //!
 //! One job per module: `server` (state and the route table), `routes` (handlers),
-//! `admission` (key, body, I3), `openai` (request types and validation), `run` (one
+//! `admission` (key, body, I3), `openai` (request types and validation), `tokens`
+//! (`/tokenize`, `/detokenize`), `run` (one
 //! request's phases through the workers), `stream` (SSE), `responses` (every JSON body as a
 //! type), `error` (the error table), `openapi` (the document at `/openapi.json`, derived from
 //! those types), `metrics`, `tenants`, `cluster`, `edge`, `cors`.
@@ -31,6 +32,7 @@ mod run;
 pub mod server;
 mod stream;
 pub mod tenants;
+pub mod tokens;
 
 pub use cluster::Cluster;
 pub use edge::EdgeConfig;

@@ -2,15 +2,17 @@
 //! sampling and limits the core can trust. Every check happens here, once; whatever is
 //! refused is refused with the field it concerns.
 //!
-//! Fields we do not know are ignored (clients send many); fields we know are type-checked,
-//! and the ones whose other values we do not support (n > 1, logprobs, echo, best_of) are
-//! refused rather than silently ignored.
+//! No field is silently ignored. Each one a body may carry is honoured, or accepted as a
+//! documented no-op where ignoring it cannot change the answer (`user`, `metadata`, `store`,
+//! `service_tier`, `parallel_tool_calls`), or refused with 400 naming it, as OpenAI refuses a
+//! field it does not know. The values we do not support yet (echo, best_of > 1, tools, a
+//! JSON `response_format`) are refused the same way.
 
 use crate::error::ApiError;
 use gguf::{ChatMessage, ChatTemplate, Tokenizer};
 use serde::Deserialize;
-use serde_json::json;
-use transfer::{Sampling, MAX_STOP_STRINGS};
+use serde_json::{json, Map, Value};
+use transfer::{Sampling, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS};
 use utoipa::openapi::{RefOr, Schema};
 use utoipa::{PartialSchema, ToSchema};
 
@@ -36,7 +38,7 @@ impl Endpoint {
 // The `#[schema]` bounds below are the ones `build_job` and the parsers enforce; the served
 // document adds the deployment's own (model id, max_tokens, vocabulary) in `openapi.rs`.
 
-/// The body of `POST /v1/chat/completions`. Unknown fields are ignored.
+/// The body of `POST /v1/chat/completions`. A field not listed here gets 400.
 #[derive(Deserialize, ToSchema)]
 pub struct ChatRequest {
     /// The served model's id (`GET /v1/models`).
@@ -48,12 +50,31 @@ pub struct ChatRequest {
     /// Takes precedence over `max_tokens`.
     #[schema(minimum = 1)]
     max_completion_tokens: Option<i64>,
-    /// Only `false`: log probabilities are not supported.
-    #[schema(schema_with = only_false)]
+    /// Each answer token's log-probability under the model (the log-softmax of its raw
+    /// logits, before penalties, bias and temperature), in `choices[].logprobs.content`.
     logprobs: Option<bool>,
+    /// With `logprobs`: also this many of the most likely tokens at each step.
+    #[schema(minimum = 0, maximum = 20)]
+    top_logprobs: Option<i64>,
+    /// Only `{"type": "text"}` (the default): structured output is not supported yet.
+    #[schema(schema_with = text_format)]
+    response_format: Option<Value>,
+    /// Only empty: tool calls are not supported yet.
+    #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
+    tools: Option<Vec<Value>>,
+    /// Only `none` or `auto` (with no tools, both mean plain text).
+    #[schema(value_type = Option<String>, pattern = "^(none|auto)$")]
+    tool_choice: Option<Value>,
+    /// Accepted, and a no-op without tools.
+    #[serde(rename = "parallel_tool_calls")]
+    _parallel_tool_calls: Option<bool>,
+    /// Any other field: refused.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    unknown: Map<String, Value>,
 }
 
-/// The body of `POST /v1/completions`. Unknown fields are ignored.
+/// The body of `POST /v1/completions`. A field not listed here gets 400.
 #[derive(Deserialize, ToSchema)]
 pub struct CompletionRequest {
     /// The served model's id (`GET /v1/models`).
@@ -61,14 +82,22 @@ pub struct CompletionRequest {
     prompt: Prompt,
     #[serde(flatten)]
     common: Common,
-    /// Only 0 or less: log probabilities are not supported.
-    #[schema(maximum = 0)]
+    /// Each answer token's log-probability under the model (the log-softmax of its raw
+    /// logits), with this many of the most likely tokens' at each step.
+    #[schema(minimum = 0, maximum = 20)]
     logprobs: Option<i64>,
     /// Only `false`.
     #[schema(schema_with = only_false)]
     echo: Option<bool>,
     #[schema(minimum = 1, maximum = 1)]
     best_of: Option<i64>,
+    /// Only empty: insertion (text after the completion) is not supported.
+    #[schema(max_length = 0)]
+    suffix: Option<String>,
+    /// Any other field: refused.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    unknown: Map<String, Value>,
 }
 
 /// Fields both endpoints share.
@@ -78,18 +107,40 @@ struct Common {
     /// Default: the server's default, capped by what the context leaves.
     #[schema(minimum = 1)]
     max_tokens: Option<i64>,
+    /// Default: the server's `--temperature` (1 unless set).
     #[schema(minimum = 0.0, maximum = 2.0)]
     temperature: Option<f64>,
+    /// Default: the server's `--top-p` (1 unless set).
     #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     top_p: Option<f64>,
-    /// Not in OpenAI's API; accepted as llama.cpp and vLLM do. 0 is off.
+    /// Not in OpenAI's API; accepted as llama.cpp and vLLM do. 0 is off. Default: the
+    /// server's `--top-k` (0 unless set).
     #[schema(minimum = 0, maximum = 4294967295_i64)]
     top_k: Option<i64>,
+    /// Not in OpenAI's API; as llama.cpp and vLLM: keep only tokens at least this many
+    /// times as likely as the most likely one. 0 is off. Default: the server's `--min-p`.
+    #[schema(minimum = 0.0, maximum = 1.0)]
+    min_p: Option<f64>,
+    /// Subtracted from the logit of every token the answer already holds.
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    presence_penalty: Option<f64>,
+    /// Subtracted from a token's logit once for every time the answer already holds it.
+    #[schema(minimum = -2.0, maximum = 2.0)]
+    frequency_penalty: Option<f64>,
+    /// Not in OpenAI's API; as vLLM and Hugging Face: a token of the prompt or the answer
+    /// has a positive logit divided by this, a negative one multiplied. 1 is off.
+    #[schema(exclusive_minimum = 0.0, maximum = 10.0)]
+    repetition_penalty: Option<f64>,
+    /// Token id (as a string) to a bias from -100 to 100, added to that token's logit;
+    /// -100 all but bans it, 100 all but forces it.
+    #[schema(value_type = Option<HashMap<String, f64>>)]
+    logit_bias: Option<Value>,
     /// The same seed and request give the same answer; without one, each request samples
     /// from a fresh random seed.
     seed: Option<i64>,
     stop: Option<Stop>,
-    #[schema(minimum = 1, maximum = 1)]
+    /// Choices per prompt, each sampled on its own (with `seed`, choice i uses seed + i).
+    #[schema(minimum = 1, maximum = 16)]
     n: Option<i64>,
     /// Answer as server-sent events (`text/event-stream`).
     stream: Option<bool>,
@@ -101,6 +152,19 @@ struct Common {
     /// sharing within a tenant, never widen it past one.
     #[schema(value_type = Option<String>, min_length = 1, max_length = 256)]
     cache_salt: Option<serde_json::Value>,
+    /// Accepted and not used: it cannot change the answer.
+    #[serde(rename = "user")]
+    _user: Option<String>,
+    /// Accepted and not used: it cannot change the answer.
+    #[schema(value_type = Option<Object>)]
+    #[serde(rename = "metadata")]
+    _metadata: Option<Value>,
+    /// Accepted; nothing is ever stored.
+    #[serde(rename = "store")]
+    _store: Option<bool>,
+    /// Accepted and not used: every request is served alike.
+    #[serde(rename = "service_tier")]
+    _service_tier: Option<String>,
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -122,14 +186,24 @@ enum Prompt {
     Text(String),
     Texts(Vec<String>),
     Tokens(Vec<i64>),
+    TokenLists(Vec<Vec<i64>>),
 }
 
 #[derive(Deserialize, ToSchema)]
-struct ChatMessageIn {
+pub(crate) struct ChatMessageIn {
     /// `developer` is read as `system`.
     #[schema(value_type = String, pattern = "^(system|developer|user|assistant)$")]
     role: String,
-    content: Content,
+    /// `null` only for an assistant message (an empty turn).
+    #[schema(value_type = Option<Content>)]
+    content: Option<Content>,
+    /// The participant's name, given to the chat template beside the role.
+    #[schema(min_length = 1, max_length = 256)]
+    name: Option<String>,
+    /// Any other field (`tool_calls`, `tool_call_id`, `audio`...): refused.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    unknown: Map<String, Value>,
 }
 
 #[derive(Deserialize)]
@@ -169,6 +243,11 @@ fn sampling_seed(requested: Option<i64>) -> u64 {
 #[derive(Clone, Debug)]
 pub struct Job {
     pub endpoint: Endpoint,
+    /// The choice this job answers (OpenAI's `index`): prompt `p`'s choice `i` is
+    /// `p * n + i`.
+    pub index: u32,
+    /// Choices per prompt (`n`).
+    pub n: u32,
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub sampling: Sampling,
@@ -187,7 +266,33 @@ pub struct Limits<'a> {
     pub chat_template: Option<&'a ChatTemplate>,
     pub context_length: usize,
     pub default_max_tokens: usize,
+    pub sampling_defaults: SamplingDefaults,
 }
+
+/// The sampling settings a request gets for those it leaves out: the server's
+/// `--temperature`, `--top-p`, `--top-k` and `--min-p`, which default to OpenAI's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: u32,
+    pub min_p: f64,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> SamplingDefaults {
+        SamplingDefaults {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+        }
+    }
+}
+
+/// Most choices one request may ask for, over all its prompts (`n` × prompts): each is a
+/// sequence in flight of its own.
+pub const MAX_CHOICES: usize = 16;
 
 /// Longest stop string a client may send. Far below what a Submit frame carries, so every
 /// request the router accepts is one the worker link can encode.
@@ -210,6 +315,15 @@ fn only_false() -> RefOr<Schema> {
     schema(json!({"type": ["boolean", "null"], "enum": [false, null]}))
 }
 
+/// `response_format`: plain text only.
+fn text_format() -> RefOr<Schema> {
+    schema(json!({
+        "type": ["object", "null"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}},
+        "required": ["type"],
+    }))
+}
+
 impl PartialSchema for Stop {
     fn schema() -> RefOr<Schema> {
         // Stop strings are bounded in bytes; the schema can only count characters.
@@ -227,14 +341,18 @@ impl ToSchema for Stop {}
 impl PartialSchema for Prompt {
     fn schema() -> RefOr<Schema> {
         schema(json!({
-            "description": "The text, one text in an array, or token ids (below the \
-                vocabulary size).",
+            "description": format!("The text, texts, token ids (below the vocabulary size) \
+                or lists of token ids: each prompt gets `n` choices, at most {MAX_CHOICES} in \
+                all."),
             "oneOf": [
                 {"type": "string", "minLength": 1},
                 {"type": "array", "items": {"type": "string", "minLength": 1},
-                 "minItems": 1, "maxItems": 1},
+                 "minItems": 1, "maxItems": MAX_CHOICES},
                 {"type": "array", "items": {"type": "integer", "minimum": 0},
                  "minItems": 1},
+                {"type": "array", "items": {"type": "array",
+                    "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                 "minItems": 1, "maxItems": MAX_CHOICES},
             ],
         }))
     }
@@ -263,35 +381,64 @@ impl PartialSchema for Content {
 
 impl ToSchema for Content {}
 
-pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
+/// A chat request's jobs: one per choice (`n`), in `index` order.
+pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
     let request: ChatRequest = parse_json(body)?;
+    refuse_unknown(&request.unknown, "")?;
     check_model(&request.model, limits)?;
-    if request.logprobs == Some(true) {
-        return Err(ApiError::invalid("logprobs are not supported", "logprobs"));
+    let logprobs = match (request.logprobs.unwrap_or(false), request.top_logprobs) {
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs needs logprobs: true",
+                "top_logprobs",
+            ))
+        }
+        (true, top) => Some(top_logprobs(top.unwrap_or(0), "top_logprobs")?),
+    };
+    check_response_format(request.response_format.as_ref())?;
+    if request
+        .tools
+        .as_ref()
+        .is_some_and(|tools| !tools.is_empty())
+    {
+        return Err(not_yet("tools"));
     }
-    if request.messages.is_empty() {
+    match &request.tool_choice {
+        None | Some(Value::Null) => {}
+        Some(Value::String(choice)) if choice == "none" || choice == "auto" => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tool_choice must be \"none\" or \"auto\": tool calls are not supported yet",
+                "tool_choice",
+            ))
+        }
+    }
+    let prompt = chat_prompt(request.messages, true, limits)?;
+    let max_tokens = request.max_completion_tokens.or(request.common.max_tokens);
+    build_jobs(
+        Endpoint::Chat,
+        vec![prompt],
+        max_tokens,
+        logprobs,
+        request.common,
+        limits,
+    )
+}
+
+/// The tokens of `messages` rendered with the model's chat template, ending in the
+/// assistant's turn when `add_generation_prompt`.
+pub(crate) fn chat_prompt(
+    messages: Vec<ChatMessageIn>,
+    add_generation_prompt: bool,
+    limits: &Limits,
+) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", "messages"));
     }
-    let mut messages = Vec::with_capacity(request.messages.len());
-    for message in request.messages {
-        if !matches!(
-            message.role.as_str(),
-            "system" | "user" | "assistant" | "developer"
-        ) {
-            return Err(ApiError::invalid(
-                format!(
-                    "message role '{}' is not one of system, developer, user, assistant",
-                    message.role
-                ),
-                "messages",
-            ));
-        }
-        let role = if message.role == "developer" {
-            "system".to_string()
-        } else {
-            message.role
-        };
-        messages.push(ChatMessage::new(role, content_text(message.content)?));
+    let mut checked = Vec::with_capacity(messages.len());
+    for (index, message) in messages.into_iter().enumerate() {
+        checked.push(chat_message(index, message)?);
     }
     let template = limits.chat_template.ok_or_else(|| {
         ApiError::invalid(
@@ -299,66 +446,182 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
             "messages",
         )
     })?;
-    let text = template.render(&messages, true).map_err(|error| {
-        ApiError::invalid(
-            format!("the chat template refused these messages: {error}"),
-            "messages",
-        )
-    })?;
-    let prompt = limits.tokenizer.encode(&text, true);
-    let max_tokens = request.max_completion_tokens.or(request.common.max_tokens);
-    build_job(Endpoint::Chat, prompt, max_tokens, request.common, limits)
+    let text = template
+        .render(&checked, add_generation_prompt)
+        .map_err(|error| {
+            ApiError::invalid(
+                format!("the chat template refused these messages: {error}"),
+                "messages",
+            )
+        })?;
+    Ok(limits.tokenizer.encode(&text, true))
 }
 
-pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Job, ApiError> {
-    let request: CompletionRequest = parse_json(body)?;
-    check_model(&request.model, limits)?;
-    if request.logprobs.is_some_and(|n| n > 0) {
-        return Err(ApiError::invalid("logprobs are not supported", "logprobs"));
-    }
-    if request.echo == Some(true) {
-        return Err(ApiError::invalid("echo is not supported", "echo"));
-    }
-    if request.best_of.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("best_of must be 1", "best_of"));
-    }
-    let prompt = match request.prompt {
-        Prompt::Text(text) => limits.tokenizer.encode(&text, false),
-        Prompt::Texts(texts) if texts.len() == 1 => limits.tokenizer.encode(&texts[0], false),
-        Prompt::Texts(_) => {
+/// One message, checked, as the chat template gets it.
+fn chat_message(index: usize, message: ChatMessageIn) -> Result<ChatMessage, ApiError> {
+    let field = |name: &str| format!("messages[{index}].{name}");
+    refuse_unknown(&message.unknown, &format!("messages[{index}]."))?;
+    let role = match message.role.as_str() {
+        "system" | "user" | "assistant" => message.role,
+        "developer" => "system".to_string(),
+        "tool" => return Err(not_yet(field("role"))),
+        other => {
             return Err(ApiError::invalid(
-                "send exactly one prompt per request",
-                "prompt",
+                format!(
+                    "message role '{}' is not one of system, developer, user, assistant",
+                    other.chars().take(32).collect::<String>()
+                ),
+                field("role"),
             ))
         }
-        Prompt::Tokens(tokens) => {
-            let vocab = limits.tokenizer.vocab_size();
-            let mut ids = Vec::with_capacity(tokens.len());
-            for token in tokens {
-                match u32::try_from(token) {
-                    Ok(id) if (id as usize) < vocab => ids.push(id),
-                    _ => {
-                        return Err(ApiError::invalid(
-                            format!("token id {token} is outside the vocabulary (0..{vocab})"),
-                            "prompt",
-                        ))
-                    }
-                }
-            }
-            ids
+    };
+    let content = match message.content {
+        Some(content) => content_text(content, || field("content"))?,
+        None if role == "assistant" => String::new(),
+        None => {
+            return Err(ApiError::invalid(
+                format!("a {role} message needs content (only an assistant's may be null)"),
+                field("content"),
+            ))
         }
     };
+    if message
+        .name
+        .as_ref()
+        .is_some_and(|name| name.is_empty() || name.chars().count() > 256)
+    {
+        return Err(ApiError::invalid(
+            "a message's name must be 1 to 256 characters",
+            field("name"),
+        ));
+    }
+    let mut out = ChatMessage::new(role, content);
+    out.name = message.name;
+    Ok(out)
+}
+
+/// How many of the most likely tokens to report beside each answer token's own.
+fn top_logprobs(top: i64, param: &'static str) -> Result<u8, ApiError> {
+    match u8::try_from(top) {
+        Ok(top) if usize::from(top) <= MAX_TOP_LOGPROBS => Ok(top),
+        _ => Err(ApiError::invalid(
+            format!("{param} must be from 0 to {MAX_TOP_LOGPROBS}"),
+            param,
+        )),
+    }
+}
+
+/// A field we know and whose value we cannot serve yet.
+fn not_yet(param: impl Into<std::borrow::Cow<'static, str>>) -> ApiError {
+    let param = param.into();
+    let what = match param.as_ref() {
+        "tools" => "tool calls are",
+        "echo" => "echo is",
+        "best_of" => "best_of (the best of several samples) is",
+        "response_format" => "structured output (a JSON response_format) is",
+        _ => "tool messages are",
+    };
+    ApiError::invalid(
+        format!("{param}: {what} not supported yet; leave it out"),
+        param,
+    )
+}
+
+/// OpenAI answers a field it does not know with 400 naming it; so do we.
+pub(crate) fn refuse_unknown(unknown: &Map<String, Value>, prefix: &str) -> Result<(), ApiError> {
+    match unknown.keys().next() {
+        None => Ok(()),
+        Some(key) => {
+            let key: String = key.chars().take(64).collect();
+            Err(ApiError::invalid(
+                format!(
+                    "Unrecognized request argument supplied: {key} (the README lists the fields \
+                     Airlock takes)"
+                ),
+                format!("{prefix}{key}"),
+            ))
+        }
+    }
+}
+
+fn check_response_format(format: Option<&Value>) -> Result<(), ApiError> {
+    let kind = match format {
+        None | Some(Value::Null) => return Ok(()),
+        Some(format) => format.get("type").and_then(Value::as_str),
+    };
+    match kind {
+        Some("text") => Ok(()),
+        Some("json_object" | "json_schema") => Err(not_yet("response_format")),
+        _ => Err(ApiError::invalid(
+            "response_format must be an object whose type is \"text\"",
+            "response_format",
+        )),
+    }
+}
+
+/// A completion request's jobs: `n` per prompt, in `index` order.
+pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
+    let request: CompletionRequest = parse_json(body)?;
+    refuse_unknown(&request.unknown, "")?;
+    check_model(&request.model, limits)?;
+    let logprobs = request
+        .logprobs
+        .map(|top| top_logprobs(top, "logprobs"))
+        .transpose()?;
+    if request.echo == Some(true) {
+        return Err(not_yet("echo"));
+    }
+    if request.best_of.is_some_and(|n| n != 1) {
+        return Err(not_yet("best_of"));
+    }
+    if request.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid(
+            "suffix is not supported: this model does not fill in the middle",
+            "suffix",
+        ));
+    }
+    let vocab = limits.tokenizer.vocab_size();
+    let ids = |tokens: Vec<i64>| -> Result<Vec<u32>, ApiError> {
+        tokens
+            .into_iter()
+            .map(|token| {
+                token_id(token, vocab).ok_or_else(|| {
+                    ApiError::invalid(
+                        format!("token id {token} is outside the vocabulary (0..{vocab})"),
+                        "prompt",
+                    )
+                })
+            })
+            .collect()
+    };
+    let prompts = match request.prompt {
+        Prompt::Text(text) => vec![limits.tokenizer.encode(&text, false)],
+        Prompt::Texts(texts) => texts
+            .iter()
+            .map(|text| limits.tokenizer.encode(text, false))
+            .collect(),
+        Prompt::Tokens(tokens) => vec![ids(tokens)?],
+        Prompt::TokenLists(lists) => lists.into_iter().map(ids).collect::<Result<_, _>>()?,
+    };
     let max_tokens = request.common.max_tokens;
-    build_job(
+    build_jobs(
         Endpoint::Completions,
-        prompt,
+        prompts,
         max_tokens,
+        logprobs,
         request.common,
         limits,
     )
 }
 
-fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+/// `token` as a token id of a vocabulary of `vocab` tokens.
+pub(crate) fn token_id(token: i64, vocab: usize) -> Option<u32> {
+    u32::try_from(token)
+        .ok()
+        .filter(|&id| (id as usize) < vocab)
+}
+
+pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
     if std::str::from_utf8(body).is_err() {
         return Err(ApiError::InvalidRequest {
             message: "the request body is not valid UTF-8".into(),
@@ -371,7 +634,7 @@ fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
     })
 }
 
-fn check_model(model: &str, limits: &Limits) -> Result<(), ApiError> {
+pub(crate) fn check_model(model: &str, limits: &Limits) -> Result<(), ApiError> {
     if model != limits.model_id {
         return Err(ApiError::ModelNotFound {
             model: model.chars().take(128).collect(),
@@ -381,7 +644,7 @@ fn check_model(model: &str, limits: &Limits) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn content_text(content: Content) -> Result<String, ApiError> {
+fn content_text(content: Content, field: impl Fn() -> String) -> Result<String, ApiError> {
     match content {
         Content::Text(text) => Ok(text),
         Content::Parts(parts) => {
@@ -392,7 +655,7 @@ fn content_text(content: Content) -> Result<String, ApiError> {
                     _ => {
                         return Err(ApiError::invalid(
                             "only text content parts are supported",
-                            "messages",
+                            field(),
                         ))
                     }
                 }
@@ -402,18 +665,53 @@ fn content_text(content: Content) -> Result<String, ApiError> {
     }
 }
 
+/// `n` jobs for each prompt, each checked against the context, choice `i` of a prompt
+/// sampling from the request's seed + `i`.
+fn build_jobs(
+    endpoint: Endpoint,
+    prompts: Vec<Vec<u32>>,
+    max_tokens: Option<i64>,
+    logprobs: Option<u8>,
+    common: Common,
+    limits: &Limits,
+) -> Result<Vec<Job>, ApiError> {
+    let n = common.n.unwrap_or(1);
+    let choices = (n as i128).saturating_mul(prompts.len() as i128);
+    if n < 1 || choices > MAX_CHOICES as i128 || prompts.is_empty() {
+        let param = if prompts.len() > 1 { "prompt" } else { "n" };
+        return Err(ApiError::invalid(
+            format!(
+                "n must be at least 1, and n times the number of prompts at most \
+                 {MAX_CHOICES} (got n = {n} for {} prompts)",
+                prompts.len()
+            ),
+            param,
+        ));
+    }
+    let mut jobs = Vec::with_capacity(choices as usize);
+    for prompt in prompts {
+        let job = build_job(endpoint, prompt, max_tokens, &common, limits)?;
+        for choice in 0..n as u32 {
+            let mut job = job.clone();
+            job.index = jobs.len() as u32;
+            job.n = n as u32;
+            job.sampling.seed = job.sampling.seed.wrapping_add(choice.into());
+            job.sampling.logprobs = logprobs;
+            jobs.push(job);
+        }
+    }
+    Ok(jobs)
+}
+
 fn build_job(
     endpoint: Endpoint,
     prompt: Vec<u32>,
     max_tokens: Option<i64>,
-    common: Common,
+    common: &Common,
     limits: &Limits,
 ) -> Result<Job, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::invalid("the prompt is empty", "prompt"));
-    }
-    if common.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid("only n = 1 is supported", "n"));
     }
     let context_length = limits.context_length;
     let prompt_tokens = prompt.len();
@@ -441,26 +739,11 @@ fn build_job(
             ),
         });
     }
-    let temperature = common.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid(
-            "temperature must be between 0 and 2",
-            "temperature",
-        ));
-    }
-    // Checked as the f32 the sampler gets: a positive f64 below f32's range would become 0.
-    let top_p = common.top_p.unwrap_or(1.0) as f32;
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
-    }
-    let top_k = common.top_k.unwrap_or(0);
-    if !(0..=u32::MAX as i64).contains(&top_k) {
-        return Err(ApiError::invalid("top_k must be 0 (off) or more", "top_k"));
-    }
-    let stop = match common.stop {
+    let sampling = sampling(common, limits)?;
+    let stop = match &common.stop {
         None => Vec::new(),
-        Some(Stop::One(stop)) => vec![stop],
-        Some(Stop::Many(stops)) => stops,
+        Some(Stop::One(stop)) => vec![stop.clone()],
+        Some(Stop::Many(stops)) => stops.clone(),
     };
     if stop.len() > MAX_STOP_STRINGS {
         return Err(ApiError::invalid(
@@ -477,12 +760,12 @@ fn build_job(
             "stop",
         ));
     }
-    let cache_salt = match common.cache_salt {
+    let cache_salt = match &common.cache_salt {
         None | Some(serde_json::Value::Null) => None,
         Some(serde_json::Value::String(salt))
             if !salt.is_empty() && salt.chars().count() <= CACHE_SALT_CHARS_MAX =>
         {
-            Some(salt)
+            Some(salt.clone())
         }
         Some(_) => {
             return Err(ApiError::invalid(
@@ -494,14 +777,11 @@ fn build_job(
     let stream = common.stream.unwrap_or(false);
     Ok(Job {
         endpoint,
+        index: 0,
+        n: 1,
         prompt,
         max_tokens: max_tokens as u32,
-        sampling: Sampling {
-            temperature: temperature as f32,
-            top_p,
-            top_k: top_k as u32,
-            seed: sampling_seed(common.seed),
-        },
+        sampling,
         stop,
         ignore_eos: common.ignore_eos.unwrap_or(false),
         cache_salt,
@@ -509,7 +789,115 @@ fn build_job(
         include_usage: stream
             && common
                 .stream_options
+                .as_ref()
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
     })
+}
+
+/// The request's sampling settings, each checked, with the server's defaults for those it
+/// leaves out.
+fn sampling(common: &Common, limits: &Limits) -> Result<Sampling, ApiError> {
+    let defaults = &limits.sampling_defaults;
+    let temperature = common.temperature.unwrap_or(defaults.temperature);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature must be between 0 and 2",
+            "temperature",
+        ));
+    }
+    // Checked as the f32 the sampler gets: a positive f64 below f32's range would become 0.
+    let top_p = common.top_p.unwrap_or(defaults.top_p) as f32;
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p must be in (0, 1]", "top_p"));
+    }
+    let top_k = common.top_k.unwrap_or(defaults.top_k.into());
+    if !(0..=u32::MAX as i64).contains(&top_k) {
+        return Err(ApiError::invalid("top_k must be 0 (off) or more", "top_k"));
+    }
+    let min_p = common.min_p.unwrap_or(defaults.min_p);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            "min_p must be between 0 (off) and 1",
+            "min_p",
+        ));
+    }
+    let penalty = |value: Option<f64>, name: &'static str| match value.unwrap_or(0.0) {
+        value if (-2.0..=2.0).contains(&value) => Ok(value as f32),
+        _ => Err(ApiError::invalid(
+            format!("{name} must be between -2 and 2"),
+            name,
+        )),
+    };
+    let presence_penalty = penalty(common.presence_penalty, "presence_penalty")?;
+    let frequency_penalty = penalty(common.frequency_penalty, "frequency_penalty")?;
+    let repetition_penalty = common.repetition_penalty.unwrap_or(1.0) as f32;
+    if !(repetition_penalty > 0.0 && repetition_penalty <= 10.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty must be in (0, 10]; 1 is off",
+            "repetition_penalty",
+        ));
+    }
+    Ok(Sampling {
+        temperature: temperature as f32,
+        top_p,
+        top_k: top_k as u32,
+        min_p: min_p as f32,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias: logit_bias(common.logit_bias.as_ref(), limits.tokenizer.vocab_size())?,
+        seed: sampling_seed(common.seed),
+        logprobs: None,
+    })
+}
+
+/// `logit_bias` as OpenAI takes it: an object from token ids (as strings) to numbers from
+/// -100 to 100; sorted by token id.
+fn logit_bias(value: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "logit_bias must be an object from token ids to biases, as {\"50256\": -100}",
+                "logit_bias",
+            ))
+        }
+    };
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            format!("logit_bias may name at most {MAX_LOGIT_BIAS} tokens"),
+            "logit_bias",
+        ));
+    }
+    let mut biases = Vec::with_capacity(map.len());
+    for (key, bias) in map {
+        let key_shown: String = key.chars().take(32).collect();
+        let token = key
+            .parse::<i64>()
+            .ok()
+            .and_then(|token| token_id(token, vocab))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!(
+                        "logit_bias key '{key_shown}' is not a token id of this model \
+                         (0..{vocab}); POST /tokenize shows a text's ids"
+                    ),
+                    "logit_bias",
+                )
+            })?;
+        let bias = bias
+            .as_f64()
+            .filter(|bias| (-100.0..=100.0).contains(bias))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("logit_bias for token {token} must be a number from -100 to 100"),
+                    "logit_bias",
+                )
+            })?;
+        biases.push((token, bias as f32));
+    }
+    biases.sort_unstable_by_key(|&(token, _)| token);
+    Ok(biases)
 }

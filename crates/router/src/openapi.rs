@@ -9,6 +9,7 @@ use crate::responses::{
     TextCompletion, TextCompletionChunk,
 };
 use crate::server::RouterConfig;
+use crate::tokens::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use serde_json::{json, Value};
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
@@ -27,6 +28,8 @@ use utoipa::{Modify, OpenApi};
         crate::routes::chat,
         crate::routes::completions,
         crate::routes::models,
+        crate::routes::tokenize,
+        crate::routes::detokenize,
         crate::routes::health,
         crate::routes::live,
         crate::routes::ready,
@@ -41,6 +44,10 @@ use utoipa::{Modify, OpenApi};
         TextCompletion,
         TextCompletionChunk,
         ModelList,
+        TokenizeRequest,
+        TokenizeResponse,
+        DetokenizeRequest,
+        DetokenizeResponse,
         Health,
         HealthStatus,
         ErrorBody,
@@ -57,6 +64,7 @@ fn errors(path: &str) -> &'static [u16] {
         "/v1/chat/completions" | "/v1/completions" => {
             &[400, 401, 404, 408, 413, 415, 429, 431, 499, 500, 503, 504]
         }
+        "/tokenize" | "/detokenize" => &[400, 401, 404, 408, 413, 415, 429, 431, 503],
         "/v1/models" => &[401, 429, 431, 503],
         _ => &[429, 431, 503],
     }

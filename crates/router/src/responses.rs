@@ -64,11 +64,139 @@ impl Usage {
             prompt_tokens_details: PromptTokensDetails { cached_tokens },
         }
     }
+
+    /// A request's usage from its choices' (`first_of_prompt`: whether the choice is its
+    /// prompt's first): each prompt is counted once, as OpenAI counts it however many choices
+    /// it has, and every choice's completion.
+    pub fn total(choices: impl IntoIterator<Item = (bool, Usage)>) -> Usage {
+        let (mut prompt, mut completion, mut cached) = (0u32, 0u32, 0u32);
+        for (first_of_prompt, usage) in choices {
+            if first_of_prompt {
+                prompt = prompt.saturating_add(usage.prompt_tokens);
+                cached = cached.saturating_add(usage.prompt_tokens_details.cached_tokens);
+            }
+            completion = completion.saturating_add(usage.completion_tokens);
+        }
+        Usage::new(prompt, completion, cached)
+    }
 }
 
-/// `logprobs` is always `null`: requests for them are refused.
+/// A field that is always `null` (`refusal`: the model never refuses as OpenAI's do).
 fn null_schema() -> utoipa::openapi::Object {
     ObjectBuilder::new().schema_type(Type::Null).build()
+}
+
+/// What OpenAI reports for an impossible token (JSON has no -infinity).
+const LOGPROB_FLOOR: f32 = -9999.0;
+
+/// A token as a client reads it: its text (invalid UTF-8 shown as U+FFFD), its bytes, and its
+/// log-probability.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenScore {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// An answer token's score and the most likely tokens' at its step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scored {
+    pub chosen: TokenScore,
+    pub top: Vec<TokenScore>,
+}
+
+impl TokenScore {
+    pub fn new(tokenizer: &gguf::Tokenizer, token: u32, logprob: f32) -> TokenScore {
+        let bytes = tokenizer.token_bytes(token).to_vec();
+        TokenScore {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            bytes,
+            logprob: if logprob.is_finite() {
+                logprob
+            } else {
+                LOGPROB_FLOOR
+            },
+        }
+    }
+}
+
+/// `logprobs` of a chat choice (OpenAI's shape).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+    #[schema(schema_with = null_schema)]
+    pub refusal: Option<()>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatTokenLogprob {
+    pub bytes: Vec<u8>,
+    /// The log-softmax of the model's raw logits (before penalties, bias and temperature);
+    /// -9999 for a token the model gives no chance.
+    pub logprob: f32,
+    pub token: String,
+    /// The most likely tokens at this step, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TopLogprob {
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    pub token: String,
+}
+
+/// `logprobs` of a completion choice (OpenAI's legacy shape).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CompletionLogprobs {
+    /// Where each token starts in the choice's text, in characters.
+    pub text_offset: Vec<usize>,
+    pub token_logprobs: Vec<f32>,
+    pub tokens: Vec<String>,
+    /// Per token, the most likely tokens at its step and their log-probabilities.
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+}
+
+impl ChatLogprobs {
+    fn new(scored: &[Scored]) -> ChatLogprobs {
+        let top = |score: &TokenScore| TopLogprob {
+            bytes: score.bytes.clone(),
+            logprob: score.logprob,
+            token: score.token.clone(),
+        };
+        ChatLogprobs {
+            content: scored
+                .iter()
+                .map(|s| ChatTokenLogprob {
+                    bytes: s.chosen.bytes.clone(),
+                    logprob: s.chosen.logprob,
+                    token: s.chosen.token.clone(),
+                    top_logprobs: s.top.iter().map(top).collect(),
+                })
+                .collect(),
+            refusal: None,
+        }
+    }
+}
+
+impl CompletionLogprobs {
+    /// The scores of tokens whose text starts `offset` characters into the choice's text.
+    fn new(scored: &[Scored], mut offset: usize) -> CompletionLogprobs {
+        let mut text_offset = Vec::with_capacity(scored.len());
+        for s in scored {
+            text_offset.push(offset);
+            offset += s.chosen.token.chars().count();
+        }
+        CompletionLogprobs {
+            text_offset,
+            token_logprobs: scored.iter().map(|s| s.chosen.logprob).collect(),
+            tokens: scored.iter().map(|s| s.chosen.token.clone()).collect(),
+            top_logprobs: scored
+                .iter()
+                .map(|s| s.top.iter().map(|t| (t.token.clone(), t.logprob)).collect())
+                .collect(),
+        }
+    }
 }
 
 /// A non-streamed answer of `/v1/chat/completions`.
@@ -89,8 +217,8 @@ pub struct ChatCompletion {
 pub struct ChatChoice {
     pub finish_reason: FinishReason,
     pub index: u32,
-    #[schema(schema_with = null_schema)]
-    pub logprobs: Option<()>,
+    /// Only when the request asked for `logprobs`.
+    pub logprobs: Option<ChatLogprobs>,
     pub message: AssistantMessage,
 }
 
@@ -121,8 +249,8 @@ pub struct ChatChunkChoice {
     pub delta: Delta,
     pub finish_reason: Option<FinishReason>,
     pub index: u32,
-    #[schema(schema_with = null_schema)]
-    pub logprobs: Option<()>,
+    /// The scores of this event's tokens, when the request asked for `logprobs`.
+    pub logprobs: Option<ChatLogprobs>,
 }
 
 #[derive(Debug, Default, Serialize, ToSchema)]
@@ -190,8 +318,8 @@ pub struct TextChoice {
     /// Set in a whole answer; in a stream, only in the last chunk.
     pub finish_reason: Option<FinishReason>,
     pub index: u32,
-    #[schema(schema_with = null_schema)]
-    pub logprobs: Option<()>,
+    /// Only when the request asked for `logprobs`.
+    pub logprobs: Option<CompletionLogprobs>,
     pub text: String,
 }
 
@@ -200,6 +328,8 @@ pub struct Head {
     pub endpoint: Endpoint,
     pub id: String,
     pub model: String,
+    /// Whether the request asked for log-probabilities.
+    pub logprobs: bool,
 }
 
 /// What one streamed event says.
@@ -207,7 +337,9 @@ pub struct Head {
 pub enum Piece<'a> {
     /// The first event: the assistant's role (chat), empty text.
     Opening,
-    Text(&'a str),
+    /// Text, the scores of the tokens it came from, and (completions) where it starts in the
+    /// choice's text, in characters.
+    Text(&'a str, &'a [Scored], usize),
     Finish(FinishReason),
     /// After the finish, when the client asked for usage.
     Usage(Usage),
@@ -229,6 +361,9 @@ pub enum Whole {
     Text(TextCompletion),
 }
 
+/// One choice of a whole answer: its index, text, finish and token scores.
+pub type WholeChoice = (u32, String, FinishReason, Vec<Scored>);
+
 fn created() -> u64 {
     SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -236,18 +371,24 @@ fn created() -> u64 {
 }
 
 impl Head {
-    pub fn whole(&self, text: String, finish: FinishReason, usage: Usage) -> Whole {
+    /// The whole answer: each choice's index, text, finish and token scores, and the
+    /// request's usage.
+    pub fn whole(&self, choices: Vec<WholeChoice>, usage: Usage) -> Whole {
+        let asked = self.logprobs;
         match self.endpoint {
             Endpoint::Chat => Whole::Chat(ChatCompletion {
-                choices: vec![ChatChoice {
-                    finish_reason: finish,
-                    index: 0,
-                    logprobs: None,
-                    message: AssistantMessage {
-                        content: text,
-                        role: "assistant",
-                    },
-                }],
+                choices: choices
+                    .into_iter()
+                    .map(|(index, text, finish, scored)| ChatChoice {
+                        finish_reason: finish,
+                        index,
+                        logprobs: asked.then(|| ChatLogprobs::new(&scored)),
+                        message: AssistantMessage {
+                            content: text,
+                            role: "assistant",
+                        },
+                    })
+                    .collect(),
                 created: created(),
                 id: self.id.clone(),
                 model: self.model.clone(),
@@ -255,12 +396,15 @@ impl Head {
                 usage,
             }),
             Endpoint::Completions => Whole::Text(TextCompletion {
-                choices: vec![TextChoice {
-                    finish_reason: Some(finish),
-                    index: 0,
-                    logprobs: None,
-                    text,
-                }],
+                choices: choices
+                    .into_iter()
+                    .map(|(index, text, finish, scored)| TextChoice {
+                        finish_reason: Some(finish),
+                        index,
+                        logprobs: asked.then(|| CompletionLogprobs::new(&scored, 0)),
+                        text,
+                    })
+                    .collect(),
                 created: created(),
                 id: self.id.clone(),
                 model: self.model.clone(),
@@ -270,12 +414,17 @@ impl Head {
         }
     }
 
-    pub fn chunk(&self, piece: Piece) -> Chunk {
+    /// One streamed event, of the choice `index` (the usage event has none).
+    pub fn chunk(&self, index: u32, piece: Piece) -> Chunk {
         let (text, finish, usage) = match piece {
             Piece::Opening => (Some(""), None, None),
-            Piece::Text(text) => (Some(text), None, None),
+            Piece::Text(text, ..) => (Some(text), None, None),
             Piece::Finish(finish) => (None, Some(finish), None),
             Piece::Usage(usage) => (None, None, Some(usage)),
+        };
+        let scored = match piece {
+            Piece::Text(_, scored, offset) if self.logprobs => Some((scored, offset)),
+            _ => None,
         };
         // The usage event has no choices; every other event has one.
         let one_choice = usage.is_none();
@@ -288,8 +437,8 @@ impl Head {
                             role: matches!(piece, Piece::Opening).then_some("assistant"),
                         },
                         finish_reason: finish,
-                        index: 0,
-                        logprobs: None,
+                        index,
+                        logprobs: scored.map(|(scored, _)| ChatLogprobs::new(scored)),
                     })
                     .into_iter()
                     .collect(),
@@ -303,8 +452,9 @@ impl Head {
                 choices: one_choice
                     .then(|| TextChoice {
                         finish_reason: finish,
-                        index: 0,
-                        logprobs: None,
+                        index,
+                        logprobs: scored
+                            .map(|(scored, offset)| CompletionLogprobs::new(scored, offset)),
                         text: text.unwrap_or("").to_string(),
                     })
                     .into_iter()
@@ -331,6 +481,8 @@ pub struct ModelList {
 pub struct ModelCard {
     pub created: u64,
     pub id: String,
+    /// The most tokens a request (prompt + max_tokens) may hold.
+    pub max_model_len: usize,
     #[schema(value_type = String, pattern = "^model$")]
     pub object: &'static str,
     #[schema(value_type = String, pattern = "^airlock$")]
@@ -338,11 +490,12 @@ pub struct ModelCard {
 }
 
 impl ModelList {
-    pub fn one(model_id: &str) -> ModelList {
+    pub fn one(model_id: &str, max_model_len: usize) -> ModelList {
         ModelList {
             data: vec![ModelCard {
                 created: 0,
                 id: model_id.to_string(),
+                max_model_len,
                 object: "model",
                 owned_by: "airlock",
             }],
@@ -411,7 +564,7 @@ pub struct ErrorDetail {
     pub message: String,
     /// The request field to change, when one is at fault.
     #[schema(value_type = Option<String>)]
-    pub param: Option<&'static str>,
+    pub param: Option<std::borrow::Cow<'static, str>>,
     /// OpenAI's error class: `invalid_request_error`, `authentication_error`,
     /// `rate_limit_error` or `server_error`.
     #[serde(rename = "type")]

@@ -12,6 +12,7 @@ use crate::responses::{
 };
 use crate::run::Run;
 use crate::server::AppState;
+use crate::tokens::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -19,6 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use transfer::Role;
 
 /// A chat completion: the messages rendered with the model's chat template.
 #[utoipa::path(
@@ -68,7 +70,7 @@ async fn respond(
     endpoint: Endpoint,
 ) -> Response {
     let answer = match start(&state, &headers, body, endpoint).await {
-        Ok(run) => run.answer().await,
+        Ok(runs) => crate::run::answer(runs).await,
         Err(error) => {
             let outcome = match error {
                 ApiError::ClientGone => RequestOutcome::Cancelled,
@@ -85,45 +87,119 @@ async fn respond(
 }
 
 /// Everything from the key to the submit: nothing reaches a worker before it all passed.
+/// One run per choice; each holds its own tenant permit and in-flight slot, as a sequence in
+/// flight of its own.
 async fn start(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
-) -> Result<Run, ApiError> {
+) -> Result<Vec<Run>, ApiError> {
     // Nothing runs, and the body is not read, for a caller without a valid key.
     let tenant = authenticate(state, headers)?;
     require_json(headers)?;
     let body = read_body(body, &state.config).await?;
-    let job = parse(state, &body, endpoint)?;
-    admit(state, &job)?;
-    let total_tokens = job.prompt.len() + job.max_tokens as usize;
-    let permit = tenant.admit(total_tokens).map_err(rate_limited)?;
-    let slot = state
-        .in_flight
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| ApiError::Overloaded {
-            message: format!(
-                "the server is at its limit of {} requests in flight; retry shortly",
-                state.config.in_flight_max
-            ),
-        })?;
-    Run::submit(state.clone(), job, permit, slot)
+    let jobs = parse(state, &body, endpoint)?;
+    for job in &jobs {
+        admit(state, job)?;
+    }
+    // Every choice's permit and slot before any is submitted: a request over a limit sends
+    // nothing.
+    let mut admitted = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let total_tokens = job.prompt.len() + job.max_tokens as usize;
+        let permit = tenant.admit(total_tokens).map_err(rate_limited)?;
+        let slot =
+            state
+                .in_flight
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| ApiError::Overloaded {
+                    message: format!(
+                        "the server is at its limit of {} requests in flight; retry shortly",
+                        state.config.in_flight_max
+                    ),
+                })?;
+        admitted.push((job, permit, slot));
+    }
+    admitted
+        .into_iter()
+        .map(|(job, permit, slot)| Run::submit(state.clone(), job, permit, slot))
+        .collect()
 }
 
-fn parse(state: &AppState, body: &[u8], endpoint: Endpoint) -> Result<Job, ApiError> {
-    let limits = Limits {
+fn parse(state: &AppState, body: &[u8], endpoint: Endpoint) -> Result<Vec<Job>, ApiError> {
+    let limits = limits(state);
+    match endpoint {
+        Endpoint::Chat => parse_chat(body, &limits),
+        Endpoint::Completions => parse_completion(body, &limits),
+    }
+}
+
+/// What a request body is checked against.
+fn limits(state: &AppState) -> Limits<'_> {
+    Limits {
         model_id: &state.config.model_id,
         tokenizer: &state.tokenizer,
         chat_template: state.chat_template.as_ref(),
         context_length: state.config.context_length,
         default_max_tokens: state.config.default_max_tokens,
-    };
-    match endpoint {
-        Endpoint::Chat => parse_chat(body, &limits),
-        Endpoint::Completions => parse_completion(body, &limits),
+        sampling_defaults: state.config.sampling_defaults,
     }
+}
+
+/// The tokens of a prompt or a chat, counted as the generation endpoints count them.
+#[utoipa::path(
+    post,
+    path = "/tokenize",
+    tag = "inference",
+    request_body = TokenizeRequest,
+    responses((status = 200, description = "The token ids, their count and the context \
+        length they must fit.", body = TokenizeResponse)),
+    security(("bearer" = []))
+)]
+pub(crate) async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let answer = async {
+        let body = checked_body(&state, &headers, body).await?;
+        crate::tokens::tokenize(&body, &limits(&state))
+    };
+    answer.await.map(Json).into_response()
+}
+
+/// The text of token ids.
+#[utoipa::path(
+    post,
+    path = "/detokenize",
+    tag = "inference",
+    request_body = DetokenizeRequest,
+    responses((status = 200, description = "The text.", body = DetokenizeResponse)),
+    security(("bearer" = []))
+)]
+pub(crate) async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let answer = async {
+        let body = checked_body(&state, &headers, body).await?;
+        crate::tokens::detokenize(&body, &limits(&state))
+    };
+    answer.await.map(Json).into_response()
+}
+
+/// A JSON body from a caller with a valid key, within the body limits.
+async fn checked_body(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::body::Bytes, ApiError> {
+    authenticate(state, headers)?;
+    require_json(headers)?;
+    read_body(body, &state.config).await
 }
 
 /// The one model served.
@@ -138,7 +214,11 @@ pub(crate) async fn models(State(state): State<Arc<AppState>>, headers: HeaderMa
     if let Err(error) = authenticate(&state, &headers) {
         return error.into_response();
     }
-    Json(ModelList::one(&state.config.model_id)).into_response()
+    Json(ModelList::one(
+        &state.config.model_id,
+        state.config.context_length,
+    ))
+    .into_response()
 }
 
 /// Up or degraded for anyone; the workers' addresses, pools and shape only for a caller with a
@@ -196,6 +276,23 @@ fn readiness(state: &AppState) -> (StatusCode, Readiness) {
     }
 }
 
+/// 200 "ok" when a request can be served end to end: a unified worker is linked, or a
+/// prefill and a decode worker both are; else 503 "degraded".
+fn can_serve(state: &AppState) -> (StatusCode, Readiness) {
+    let up = |role| {
+        state
+            .cluster
+            .clients
+            .iter()
+            .any(|c| c.role == role && c.is_up())
+    };
+    if up(Role::Unified) || (up(Role::Prefill) && up(Role::Decode)) {
+        (StatusCode::OK, Readiness::Ok)
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Readiness::Degraded)
+    }
+}
+
 /// Liveness: the process answers HTTP. Says nothing else, to anyone.
 #[utoipa::path(
     get,
@@ -210,19 +307,21 @@ pub(crate) async fn live() -> Response {
     .into_response()
 }
 
-/// Readiness: every worker linked. Says nothing else, to anyone.
+/// Readiness: a request can be served end to end (a unified worker, or a prefill and a
+/// decode worker, linked). Says nothing else, to anyone.
 #[utoipa::path(
     get,
     path = "/health/ready",
     tag = "operations",
     responses(
-        (status = 200, description = "Every worker is linked.", body = HealthStatus),
-        (status = 503, description = "Some worker is not linked (`degraded`).",
+        (status = 200, description = "A complete path through the workers is linked.",
+            body = HealthStatus),
+        (status = 503, description = "No complete path is linked (`degraded`).",
             body = HealthStatus),
     )
 )]
 pub(crate) async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let (status, readiness) = readiness(&state);
+    let (status, readiness) = can_serve(&state);
     (status, Json(HealthStatus { status: readiness })).into_response()
 }
 

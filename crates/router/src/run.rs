@@ -11,7 +11,7 @@ use crate::cluster::{role_name, WorkerClient};
 use crate::error::ApiError;
 use crate::metrics::{Counter, RequestOutcome, TransferOutcome};
 use crate::openai::{Endpoint, Job};
-use crate::responses::{FinishReason, Head, Usage};
+use crate::responses::{FinishReason, Head, Scored, TokenScore, Usage};
 use crate::server::AppState;
 use crate::tenants::TenantPermit;
 use axum::response::{IntoResponse, Response};
@@ -73,7 +73,8 @@ type PendingPrefill = (Arc<WorkerClient>, UnboundedSender<(Role, Frame)>, Frame)
 
 /// What the request's frames amount to, one at a time.
 pub(crate) enum Step {
-    Text(String),
+    /// Text, and the scores of the tokens it came from (when asked for).
+    Text(String, Vec<Scored>),
     Finished(FinishReason, Usage),
     Failed(ApiError),
 }
@@ -154,18 +155,18 @@ impl Run {
         })
     }
 
-    /// The client's answer: a stream or the whole text, once the workers have started.
-    pub(crate) async fn answer(mut self) -> Result<Response, ApiError> {
-        self.wait_started().await?;
-        if self.job.stream {
-            Ok(crate::stream::response(self))
-        } else {
-            self.collect().await
-        }
-    }
-
     pub(crate) fn include_usage(&self) -> bool {
         self.job.include_usage
+    }
+
+    /// The choice this run answers.
+    pub(crate) fn index(&self) -> u32 {
+        self.job.index
+    }
+
+    /// Whether this run is its prompt's first choice (the one its prompt is counted for).
+    pub(crate) fn first_of_prompt(&self) -> bool {
+        self.job.index.is_multiple_of(self.job.n.max(1))
     }
 
     pub(crate) fn has_ended(&self) -> bool {
@@ -182,12 +183,13 @@ impl Run {
             endpoint: self.job.endpoint,
             id: format!("{prefix}-{:016x}", self.state.transfer_salt | self.id.0),
             model: self.state.config.model_id.clone(),
+            logprobs: self.job.sampling.logprobs.is_some(),
         }
     }
 
     /// Waits until decode has sealed a verified transfer (or unified has prefilled): only
     /// then may a 200 go out.
-    async fn wait_started(&mut self) -> Result<(), ApiError> {
+    pub(crate) async fn wait_started(&mut self) -> Result<(), ApiError> {
         let deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
         loop {
             let (role, frame) = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
@@ -305,7 +307,7 @@ impl Run {
                 continue;
             }
             match frame {
-                Frame::Text { text, .. } => {
+                Frame::Text { text, logprobs, .. } => {
                     if let Phase::Streaming { last_token } = &mut self.phase {
                         let now = Instant::now();
                         match last_token.replace(now) {
@@ -318,7 +320,16 @@ impl Run {
                             }
                         }
                     }
-                    return Step::Text(text);
+                    let tokenizer = &self.state.tokenizer;
+                    let score = |token, logprob| TokenScore::new(tokenizer, token, logprob);
+                    let scored = logprobs
+                        .into_iter()
+                        .map(|entry| Scored {
+                            chosen: score(entry.token, entry.logprob),
+                            top: entry.top.into_iter().map(|(t, l)| score(t, l)).collect(),
+                        })
+                        .collect();
+                    return Step::Text(text, scored);
                 }
                 Frame::Finished {
                     finish,
@@ -346,21 +357,61 @@ impl Run {
         }
     }
 
-    /// Non-streaming: the whole answer, or the error (nothing was sent yet, so the error
-    /// gets its own status).
-    async fn collect(mut self) -> Result<Response, ApiError> {
+    /// Non-streaming: this choice's whole text, finish and usage, or the error.
+    async fn collect(mut self) -> Result<Collected, ApiError> {
         let mut text = String::new();
+        let mut scores = Vec::new();
         loop {
             match self.next().await {
-                Step::Text(piece) => text.push_str(&piece),
+                Step::Text(piece, scored) => {
+                    text.push_str(&piece);
+                    scores.extend(scored);
+                }
                 Step::Failed(error) => return Err(error),
                 Step::Finished(finish, usage) => {
-                    let whole = self.head().whole(text, finish, usage);
-                    return Ok(Json(whole).into_response());
+                    return Ok(Collected {
+                        index: self.index(),
+                        first_of_prompt: self.first_of_prompt(),
+                        text,
+                        finish,
+                        usage,
+                        scores,
+                    })
                 }
             }
         }
     }
+}
+
+/// One choice of a non-streamed answer.
+struct Collected {
+    index: u32,
+    first_of_prompt: bool,
+    text: String,
+    finish: FinishReason,
+    usage: Usage,
+    scores: Vec<Scored>,
+}
+
+/// The client's answer to a request of one run per choice: a stream or the whole answer,
+/// once every run has started (I2 for each). An error before that is the request's error
+/// status; dropping the other runs aborts them.
+pub(crate) async fn answer(mut runs: Vec<Run>) -> Result<Response, ApiError> {
+    for run in &mut runs {
+        run.wait_started().await?;
+    }
+    if runs.first().is_some_and(|run| run.job.stream) {
+        return Ok(crate::stream::response(runs));
+    }
+    let head = runs.first().map(Run::head).ok_or(ApiError::Internal)?;
+    // The first error (nothing was sent yet, so it gets its own status) drops the others.
+    let choices = futures_util::future::try_join_all(runs.into_iter().map(Run::collect)).await?;
+    let usage = Usage::total(choices.iter().map(|c| (c.first_of_prompt, c.usage)));
+    let choices = choices
+        .into_iter()
+        .map(|c| (c.index, c.text, c.finish, c.scores))
+        .collect();
+    Ok(Json(head.whole(choices, usage)).into_response())
 }
 
 impl Drop for Run {

@@ -29,6 +29,8 @@ pub struct RouterConfig {
     pub body_bytes_max: usize,
     /// max_tokens when a request gives none (capped by what the context leaves).
     pub default_max_tokens: usize,
+    /// Sampling settings for a request that leaves them out.
+    pub sampling_defaults: crate::openai::SamplingDefaults,
     /// Requests admitted and not yet finished, over all tenants; more get 503.
     pub in_flight_max: usize,
     /// How long a request may wait for its first answer from the workers (504 past it).
@@ -116,11 +118,14 @@ impl Route {
 
 /// Every route `app` serves, and nothing else.
 pub(crate) fn routes() -> Vec<Route> {
-    use crate::routes::{chat, completions, health, live, metrics, models, openapi, ready};
+    use crate::routes::{chat, completions, detokenize, health, live, metrics, models};
+    use crate::routes::{openapi, ready, tokenize};
     vec![
         Route::new(Method::POST, "/v1/chat/completions", chat),
         Route::new(Method::POST, "/v1/completions", completions),
         Route::new(Method::GET, "/v1/models", models),
+        Route::new(Method::POST, "/tokenize", tokenize),
+        Route::new(Method::POST, "/detokenize", detokenize),
         Route::new(Method::GET, "/health", health),
         Route::new(Method::GET, "/health/live", live),
         Route::new(Method::GET, "/health/ready", ready),

@@ -1,32 +1,72 @@
-//! The SSE relay of a started run: one `data:` event per piece of text, the finish, the
-//! usage when asked for, then `[DONE]`. Headers are out by then, so a failure is an `error`
-//! event and no `[DONE]` (I2).
+//! The SSE relay of a started request: one `data:` event per piece of text, each choice's
+//! finish, the usage when asked for, then `[DONE]` once every choice has finished. A request
+//! with several choices (`n`, or several prompts) interleaves their events, each carrying its
+//! choice's `index`. Headers are out by then, so a failure is an `error` event and no `[DONE]`
+//! (I2); the other choices are then aborted.
 
-use crate::responses::{Head, Piece};
+use crate::responses::{Head, Piece, Usage};
 use crate::run::{Run, Step};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream::{self, Stream};
+use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
 use serde::Serialize;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 
+/// A step of one choice: its index, whether it is its prompt's first, and the step.
+type ChoiceStep = (u32, bool, Step);
+
 struct StreamState {
-    run: Run,
+    /// Every choice's steps, as they come; dropping it aborts the choices still running.
+    steps: SelectAll<BoxStream<'static, ChoiceStep>>,
     head: Head,
+    include_usage: bool,
+    /// Choices not finished yet, and the usage of those that have.
+    running: usize,
+    usages: Vec<(bool, Usage)>,
     /// Events decided and not yet sent.
     queued: VecDeque<SseEvent>,
+    /// `[DONE]` or an error is queued: nothing follows.
+    over: bool,
+    /// Characters of text sent so far, per choice (completions' `text_offset`).
+    sent_chars: HashMap<u32, usize>,
 }
 
-pub(crate) fn response(run: Run) -> Response {
-    let head = run.head();
-    let opening = data(&head.chunk(Piece::Opening));
+pub(crate) fn response(runs: Vec<Run>) -> Response {
+    let Some(first) = runs.first() else {
+        return crate::error::ApiError::Internal.into_response();
+    };
+    let head = first.head();
+    let include_usage = first.include_usage();
+    let queued = runs
+        .iter()
+        .map(|run| data(&head.chunk(run.index(), Piece::Opening)))
+        .collect();
     let state = StreamState {
-        run,
+        running: runs.len(),
+        steps: stream::select_all(runs.into_iter().map(steps)),
         head,
-        queued: VecDeque::from([opening]),
+        include_usage,
+        usages: Vec::new(),
+        queued,
+        over: false,
+        sent_chars: HashMap::new(),
     };
     Sse::new(events(state)).into_response()
+}
+
+/// One run's steps until it ends; then the run is dropped, ended (no abort).
+fn steps(run: Run) -> BoxStream<'static, ChoiceStep> {
+    let (index, first_of_prompt) = (run.index(), run.first_of_prompt());
+    stream::unfold(run, |mut run| async move {
+        if run.has_ended() {
+            return None;
+        }
+        let step = run.next().await;
+        Some((step, run))
+    })
+    .map(move |step| (index, first_of_prompt, step))
+    .boxed()
 }
 
 fn data(chunk: &impl Serialize) -> SseEvent {
@@ -40,27 +80,39 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
             if let Some(event) = state.queued.pop_front() {
                 return Some((Ok(event), state));
             }
-            if state.run.has_ended() {
-                // Dropping the state here drops the run, which has ended: no abort.
+            if state.over {
+                // Dropping the state drops the runs: those still running are aborted.
                 return None;
             }
-            match state.run.next().await {
-                Step::Text(text) => {
-                    let piece = state.head.chunk(Piece::Text(&text));
+            let (index, first_of_prompt, step) = state.steps.next().await?;
+            match step {
+                Step::Text(text, scored) => {
+                    let offset = state.sent_chars.entry(index).or_default();
+                    let piece = state
+                        .head
+                        .chunk(index, Piece::Text(&text, &scored, *offset));
+                    *offset += text.chars().count();
                     state.queued.push_back(data(&piece));
                 }
                 Step::Finished(finish, usage) => {
-                    let last = state.head.chunk(Piece::Finish(finish));
+                    let last = state.head.chunk(index, Piece::Finish(finish));
                     state.queued.push_back(data(&last));
-                    if state.run.include_usage() {
-                        let usage = state.head.chunk(Piece::Usage(usage));
-                        state.queued.push_back(data(&usage));
+                    state.usages.push((first_of_prompt, usage));
+                    state.running -= 1;
+                    if state.running == 0 {
+                        if state.include_usage {
+                            let usage = Usage::total(state.usages.drain(..));
+                            let usage = state.head.chunk(0, Piece::Usage(usage));
+                            state.queued.push_back(data(&usage));
+                        }
+                        state.queued.push_back(SseEvent::default().data("[DONE]"));
+                        state.over = true;
                     }
-                    state.queued.push_back(SseEvent::default().data("[DONE]"));
                 }
                 Step::Failed(error) => {
                     let event = SseEvent::default().event("error").data(error.to_json());
                     state.queued.push_back(event);
+                    state.over = true;
                 }
             }
         }

@@ -14,7 +14,9 @@ use kv::{Partition, RequestId, TenantId};
 /// refused at the first frame.
 /// Version 2: the accepting side proves itself only after the connecting side has.
 /// Version 5: the one-sided transport's `GrantAsk`, `WriteGrant`, `WriteAbort`, `WriteAbortAck`.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// Version 6: `Sampling` carries min-p, the penalties, the logit bias and the log-probabilities
+/// asked for; `Text` carries its tokens' log-probabilities instead of a token count.
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -32,13 +34,20 @@ pub fn page_fits_frame(page_bytes: usize) -> bool {
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
 pub const MAX_STRING_BYTES: usize = 64 << 10;
 pub const MAX_STOP_STRINGS: usize = 16;
+/// Tokens one request's `logit_bias` may name.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Most alternatives a token's log-probability comes with (OpenAI's `top_logprobs` cap).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most tokens one `Text` frame reports log-probabilities for.
+pub const MAX_TEXT_LOGPROBS: usize = 4096;
 /// Pages one `WriteGrant` names: a whole prompt of the largest context at one token a page.
 pub const MAX_GRANT_PAGES: usize = 1 << 20;
 
 // The caps must leave every frame a legitimate peer sends inside one frame: a prompt at its
 // cap (4 bytes a token) with every stop string at its cap, and a handshake frame.
 const _: () = assert!(
-    MAX_PROMPT_TOKENS * 4 + MAX_STOP_STRINGS * (MAX_STRING_BYTES + 4) + 1024 <= MAX_FRAME_BYTES
+    MAX_PROMPT_TOKENS * 4 + MAX_STOP_STRINGS * (MAX_STRING_BYTES + 4) + MAX_LOGIT_BIAS * 8 + 1024
+        <= MAX_FRAME_BYTES
 );
 const _: () = assert!(crate::handshake::HANDSHAKE_FRAME_BYTES_MAX <= MAX_FRAME_BYTES);
 // A page of the default model's layout (30 layers × 3 KV heads × 64 dims × K and V × f16 ×
@@ -123,13 +132,51 @@ pub struct WorkerInfo {
     pub epoch: u64,
 }
 
-/// Sampling settings as the router validated them.
+/// Sampling settings as the router validated them (`model::SamplingParams` says how each
+/// one acts).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampling {
     pub temperature: f32,
     pub top_p: f32,
     pub top_k: u32,
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub repetition_penalty: f32,
+    /// Token ids with what to add to their logits; at most [`MAX_LOGIT_BIAS`].
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: u64,
+    /// Report each sampled token's log-probability, with this many of the most likely
+    /// tokens' (at most [`MAX_TOP_LOGPROBS`]); `None`: report none.
+    pub logprobs: Option<u8>,
+}
+
+/// A sampled token's log-probability under the model (the log-softmax of its raw logits,
+/// before any penalty, bias or temperature), with the most likely tokens' at that step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first; as many as the request asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Sampling {
+    /// Argmax, with every other setting off.
+    pub fn greedy() -> Sampling {
+        Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            seed: 0,
+            logprobs: None,
+        }
+    }
 }
 
 /// Which part of a request a worker runs.
@@ -362,10 +409,12 @@ pub enum Frame {
     Started {
         request: RequestId,
     },
+    /// Text a request may show, and the log-probabilities of the tokens sampled since the
+    /// last `Text` (when the request asked for them).
     Text {
         request: RequestId,
         text: String,
-        token_count: u32,
+        logprobs: Vec<TokenLogprob>,
     },
     Finished {
         request: RequestId,
@@ -647,11 +696,20 @@ impl Frame {
             Frame::Text {
                 request,
                 text,
-                token_count,
+                logprobs,
             } => {
                 w.u64(request.0);
                 w.string(text);
-                w.u32(*token_count);
+                w.u32(logprobs.len() as u32);
+                for entry in logprobs {
+                    w.u32(entry.token);
+                    w.f32(entry.logprob);
+                    w.u8(entry.top.len() as u8);
+                    for &(token, logprob) in &entry.top {
+                        w.u32(token);
+                        w.f32(logprob);
+                    }
+                }
             }
             Frame::Finished {
                 request,
@@ -814,7 +872,7 @@ impl Frame {
             FrameKind::Text => Frame::Text {
                 request: RequestId(r.u64()?),
                 text: r.string("text")?,
-                token_count: r.u32()?,
+                logprobs: decode_logprobs(r)?,
             },
             FrameKind::Finished => Frame::Finished {
                 request: RequestId(r.u64()?),
@@ -943,7 +1001,23 @@ fn encode_submit(w: &mut Writer, submit: &Submit) {
     w.f32(submit.sampling.temperature);
     w.f32(submit.sampling.top_p);
     w.u32(submit.sampling.top_k);
+    w.f32(submit.sampling.min_p);
+    w.f32(submit.sampling.presence_penalty);
+    w.f32(submit.sampling.frequency_penalty);
+    w.f32(submit.sampling.repetition_penalty);
+    w.u32(submit.sampling.logit_bias.len() as u32);
+    for &(token, bias) in &submit.sampling.logit_bias {
+        w.u32(token);
+        w.f32(bias);
+    }
     w.u64(submit.sampling.seed);
+    match submit.sampling.logprobs {
+        None => w.u8(0),
+        Some(top) => {
+            w.u8(1);
+            w.u8(top);
+        }
+    }
     w.u8(submit.stop.len() as u8);
     for stop in &submit.stop {
         w.string(stop);
@@ -984,11 +1058,38 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         prompt.push(r.u32()?);
     }
     let max_tokens = r.u32()?;
+    let temperature = r.f32()?;
+    let top_p = r.f32()?;
+    let top_k = r.u32()?;
+    let min_p = r.f32()?;
+    let presence_penalty = r.f32()?;
+    let frequency_penalty = r.f32()?;
+    let repetition_penalty = r.f32()?;
+    let bias_count = r.count("logit_bias", MAX_LOGIT_BIAS, 8)?;
+    let mut logit_bias = Vec::with_capacity(bias_count);
+    for _ in 0..bias_count {
+        logit_bias.push((r.u32()?, r.f32()?));
+    }
     let sampling = Sampling {
-        temperature: r.f32()?,
-        top_p: r.f32()?,
-        top_k: r.u32()?,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        repetition_penalty,
+        logit_bias,
         seed: r.u64()?,
+        logprobs: match r.u8()? {
+            0 => None,
+            1 => Some(r.bounded_u8("logprobs", MAX_TOP_LOGPROBS)?),
+            value => {
+                return Err(DecodeError::UnknownEnum {
+                    field: "logprobs",
+                    value,
+                })
+            }
+        },
     };
     let stop_count = r.u8()? as usize;
     if stop_count > MAX_STOP_STRINGS {
@@ -1050,6 +1151,26 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         prefix_cache,
         plan,
     })
+}
+
+fn decode_logprobs(r: &mut Reader) -> Result<Vec<TokenLogprob>, DecodeError> {
+    let count = r.count("logprobs", MAX_TEXT_LOGPROBS, 9)?;
+    let mut entries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let token = r.u32()?;
+        let logprob = r.f32()?;
+        let top_count = r.bounded_u8("top_logprobs", MAX_TOP_LOGPROBS)?;
+        let mut top = Vec::with_capacity(top_count.into());
+        for _ in 0..top_count {
+            top.push((r.u32()?, r.f32()?));
+        }
+        entries.push(TokenLogprob {
+            token,
+            logprob,
+            top,
+        });
+    }
+    Ok(entries)
 }
 
 #[derive(Default)]
@@ -1157,6 +1278,18 @@ impl<'a> Reader<'a> {
             });
         }
         Ok(len)
+    }
+    /// A one-byte count, at most `cap`.
+    fn bounded_u8(&mut self, field: &'static str, cap: usize) -> Result<u8, DecodeError> {
+        let value = self.u8()?;
+        if usize::from(value) > cap {
+            return Err(DecodeError::TooLong {
+                field,
+                len: value.into(),
+                cap,
+            });
+        }
+        Ok(value)
     }
     fn string(&mut self, field: &'static str) -> Result<String, DecodeError> {
         let len = self.count(field, MAX_STRING_BYTES, 1)?;

@@ -23,9 +23,10 @@ pub use auth::ClusterSecret;
 pub use checksum::{page_hash, transfer_checksum, TransferHasher};
 pub use frame::{
     page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, PerTransport, Plan,
-    PrefixCounters, Reject, Role, Sampling, Submit, TransferCounters, TransferDone, TransferId,
-    WorkerInfo, MAX_FRAME_BYTES, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS, MAX_STRING_BYTES,
-    PAGE_FRAME_OVERHEAD_BYTES_MAX, PROTOCOL_VERSION, TRANSFER_SECONDS_BOUNDS, TRANSPORTS,
+    PrefixCounters, Reject, Role, Sampling, Submit, TokenLogprob, TransferCounters, TransferDone,
+    TransferId, WorkerInfo, MAX_FRAME_BYTES, MAX_LOGIT_BIAS, MAX_PROMPT_TOKENS, MAX_STOP_STRINGS,
+    MAX_STRING_BYTES, MAX_TEXT_LOGPROBS, MAX_TOP_LOGPROBS, PAGE_FRAME_OVERHEAD_BYTES_MAX,
+    PROTOCOL_VERSION, TRANSFER_SECONDS_BOUNDS, TRANSPORTS,
 };
 pub use handshake::{accept_handshake, connect_handshake, Expectation, HandshakeError};
 pub use inbound::Inbound;

@@ -33,7 +33,13 @@ fn sample_frames() -> Vec<Frame> {
             temperature: 0.7,
             top_p: 0.9,
             top_k: 40,
+            min_p: 0.05,
+            presence_penalty: -0.5,
+            frequency_penalty: 1.5,
+            repetition_penalty: 1.1,
+            logit_bias: vec![(2, -100.0), (49151, 3.5)],
             seed: 11,
+            logprobs: Some(5),
         },
         stop: vec!["\n\n".into(), "é".into()],
         ignore_eos: true,
@@ -87,7 +93,23 @@ fn sample_frames() -> Vec<Frame> {
         Frame::Text {
             request: RequestId(4),
             text: "Paris.".into(),
-            token_count: 2,
+            logprobs: vec![
+                TokenLogprob {
+                    token: 9,
+                    logprob: -0.25,
+                    top: vec![(9, -0.25), (12, -1.5)],
+                },
+                TokenLogprob {
+                    token: 13,
+                    logprob: -3.0,
+                    top: Vec::new(),
+                },
+            ],
+        },
+        Frame::Text {
+            request: RequestId(4),
+            text: String::new(),
+            logprobs: Vec::new(),
         },
         Frame::Finished {
             request: RequestId(5),
@@ -295,7 +317,7 @@ proptest! {
             tenant: TenantId(seed ^ 1),
             prompt,
             max_tokens: 3,
-            sampling: Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed },
+            sampling: Sampling { seed, ..Sampling::greedy() },
             stop: vec![text.clone()],
             ignore_eos: false,
             prefix_cache: None,
@@ -996,4 +1018,28 @@ async fn unix_sockets_by_path_and_by_abstract_name_carry_frames() {
     assert!(connect_unix("@airlock-nobody-listens-here").await.is_err());
     assert!(unix_path("10.0.0.1:9002").is_none());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A `Text` frame whose token claims more alternatives than any request may ask for is
+/// refused, not allocated for.
+#[test]
+fn a_text_frame_over_the_top_logprobs_cap_is_refused() {
+    let frame = |top: usize| Frame::Text {
+        request: RequestId(1),
+        text: "x".into(),
+        logprobs: vec![TokenLogprob {
+            token: 1,
+            logprob: -1.0,
+            top: vec![(2, -2.0); top],
+        }],
+    };
+    let fits = frame(MAX_TOP_LOGPROBS);
+    assert_eq!(Frame::decode(&fits.encode()), Ok(fits));
+    assert!(matches!(
+        Frame::decode(&frame(MAX_TOP_LOGPROBS + 1).encode()),
+        Err(DecodeError::TooLong {
+            field: "top_logprobs",
+            ..
+        })
+    ));
 }

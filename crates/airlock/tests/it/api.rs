@@ -112,7 +112,8 @@ fn out_of_range_fields_get_400_naming_the_field() {
             json!({"max_tokens": 1e30}),
             "invalid type",
         ),
-        case("n = 2", json!({"n": 2}), "n = 1"),
+        case("n = 17", json!({"n": 17}), "n must be"),
+        case("n = 0", json!({"n": 0}), "n must be"),
         case("temperature 5", json!({"temperature": 5}), "temperature"),
         case("top_p 0", json!({"top_p": 0}), "top_p"),
         case("empty prompt", json!({"prompt": ""}), "empty"),
@@ -122,7 +123,47 @@ fn out_of_range_fields_get_400_naming_the_field() {
             "vocabulary",
         ),
         case("negative token", json!({"prompt": [-1]}), "vocabulary"),
-        case("two prompts", json!({"prompt": ["a", "b"]}), "one prompt"),
+        case(
+            "17 prompts",
+            json!({"prompt": vec!["a"; 17]}),
+            "number of prompts",
+        ),
+        case("min_p 2", json!({"min_p": 2}), "min_p"),
+        case(
+            "presence_penalty 3",
+            json!({"presence_penalty": 3}),
+            "presence_penalty",
+        ),
+        case(
+            "frequency_penalty -2.5",
+            json!({"frequency_penalty": -2.5}),
+            "frequency_penalty",
+        ),
+        case(
+            "repetition_penalty 0",
+            json!({"repetition_penalty": 0}),
+            "repetition_penalty",
+        ),
+        case(
+            "logit_bias on a word",
+            json!({"logit_bias": {"hello": 5}}),
+            "token id",
+        ),
+        case(
+            "logit_bias past the vocabulary",
+            json!({"logit_bias": {"999999": 5}}),
+            "token id",
+        ),
+        case(
+            "logit_bias of 101",
+            json!({"logit_bias": {"42": 101}}),
+            "-100 to 100",
+        ),
+        case(
+            "logit_bias not an object",
+            json!({"logit_bias": [1, 2]}),
+            "object",
+        ),
         case("empty stop", json!({"stop": [""]}), "stop"),
         case("echo", json!({"echo": true}), "echo"),
     ]);
@@ -244,8 +285,8 @@ fn chat_requests_are_validated_too() {
             ),
             (
                 json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                       "logprobs": true}),
-                "logprobs",
+                       "logprobs": "yes"}),
+                "invalid json",
             ),
         ] {
             let answer = post(url, "/v1/chat/completions", request.clone()).await;
@@ -256,14 +297,185 @@ fn chat_requests_are_validated_too() {
                 answer.body
             );
         }
-        // Unknown fields, whatever their type, are ignored as OpenAI clients expect.
+        // The fields that cannot change the answer are accepted, whatever they hold.
         let answer = post(
             url,
             "/v1/chat/completions",
-            json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                   "max_tokens": 2, "frobnicate": {"deep": [1, 2]}, "user": 7}),
+            json!({"model": MODEL, "max_tokens": 2, "user": "u-7", "store": false,
+                   "metadata": {"run": "x"}, "service_tier": "auto",
+                   "parallel_tool_calls": true, "tools": [], "tool_choice": "none",
+                   "response_format": {"type": "text"},
+                   "messages": [{"role": "user", "content": "Hi", "name": "ada"},
+                                {"role": "assistant", "content": null},
+                                {"role": "user", "content": "Hi?"}]}),
         )
         .await;
         assert_eq!(answer.status, 200, "{}", answer.body);
+    });
+}
+
+/// No field is silently dropped: one we do not know, or one whose value we cannot serve yet,
+/// gets 400 naming it in `param` (as OpenAI answers), on either endpoint, nested too.
+#[test]
+fn every_refused_field_gets_400_naming_it() {
+    let chat = |extra: serde_json::Value| {
+        let mut request = json!({"model": MODEL, "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "Hi"}]});
+        for (key, value) in extra.as_object().expect("object") {
+            request[key] = value.clone();
+        }
+        ("/v1/chat/completions", request)
+    };
+    let completion = |extra: serde_json::Value| {
+        let mut request = json!({"model": MODEL, "max_tokens": 2, "prompt": "Hi"});
+        for (key, value) in extra.as_object().expect("object") {
+            request[key] = value.clone();
+        }
+        ("/v1/completions", request)
+    };
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": {}}});
+    let cases = [
+        (chat(json!({"frobnicate": 1})), "frobnicate"),
+        (chat(json!({"functions": [tool.clone()]})), "functions"),
+        (chat(json!({"prompt": "Hi"})), "prompt"),
+        (
+            chat(json!({"logprobs": true, "top_logprobs": 21})),
+            "top_logprobs",
+        ),
+        (chat(json!({"top_logprobs": 3})), "top_logprobs"),
+        (chat(json!({"n": 30})), "n"),
+        (chat(json!({"tools": [tool]})), "tools"),
+        (chat(json!({"tool_choice": "required"})), "tool_choice"),
+        (
+            chat(json!({"response_format": {"type": "json_object"}})),
+            "response_format",
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": "Hi", "audio": {}}]})),
+            "messages[0].audio",
+        ),
+        (
+            chat(json!({"messages": [{"role": "tool", "content": "4", "tool_call_id": "a"}]})),
+            "messages[0].tool_call_id",
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": "Hi"},
+                                      {"role": "tool", "content": "4"}]})),
+            "messages[1].role",
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": null}]})),
+            "messages[0].content",
+        ),
+        (completion(json!({"messages": []})), "messages"),
+        (completion(json!({"logprobs": -1})), "logprobs"),
+        (completion(json!({"echo": true})), "echo"),
+        (completion(json!({"best_of": 2})), "best_of"),
+        (completion(json!({"suffix": "end"})), "suffix"),
+        (completion(json!({"top_logprobs": 1})), "top_logprobs"),
+    ];
+    let url = &server().url;
+    runtime().block_on(async {
+        for ((path, request), param) in cases {
+            let answer = post(url, path, request.clone()).await;
+            assert_eq!(answer.status, 400, "{request}: {}", answer.body);
+            assert_eq!(answer.param(), param, "{request}: {}", answer.body);
+            assert!(
+                answer
+                    .message()
+                    .contains(param.rsplit('.').next().expect("a name")),
+                "{request}: the message names the field: {}",
+                answer.body
+            );
+        }
+    });
+}
+
+/// `/tokenize` counts a prompt as `/v1/completions` does and a chat as
+/// `/v1/chat/completions` does (the usage of a real answer agrees); `/detokenize` gives the
+/// text back; `/v1/models` says the context length; bad input gets 400 naming the field.
+#[test]
+fn tokenize_and_detokenize_count_as_generation_does() {
+    let url = &server().url;
+    runtime().block_on(async {
+        let prompt = "The capital of France is";
+        let tokenized = post(url, "/tokenize", json!({"model": MODEL, "prompt": prompt})).await;
+        assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+        let tokenized = tokenized.json();
+        let tokens = tokenized["tokens"].as_array().expect("tokens").clone();
+        assert_eq!(tokenized["count"], json!(tokens.len()));
+        let answer = post(url, "/v1/completions", completion(prompt, 2)).await;
+        assert_eq!(
+            answer.json()["usage"]["prompt_tokens"],
+            json!(tokens.len()),
+            "{}",
+            answer.body
+        );
+        let models = crate::harness::client()
+            .get(format!("{url}/v1/models"))
+            .send()
+            .await
+            .expect("answered")
+            .json::<serde_json::Value>()
+            .await
+            .expect("JSON");
+        assert_eq!(
+            models["data"][0]["max_model_len"],
+            tokenized["max_model_len"]
+        );
+        assert!(tokenized["max_model_len"].as_u64() > Some(0), "{tokenized}");
+
+        let text = post(url, "/detokenize", json!({"tokens": tokens})).await;
+        assert_eq!(text.status, 200, "{}", text.body);
+        assert_eq!(text.json()["prompt"], json!(prompt));
+
+        let messages = json!([{"role": "user", "content": "Hi there"}]);
+        let chat = post(url, "/tokenize", json!({"messages": messages})).await;
+        let chat_tokens = chat.json()["count"].clone();
+        let answer = post(
+            url,
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": messages, "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(answer.json()["usage"]["prompt_tokens"], chat_tokens);
+        let without_turn = post(
+            url,
+            "/tokenize",
+            json!({"messages": messages, "add_generation_prompt": false}),
+        )
+        .await;
+        assert!(
+            without_turn.json()["count"].as_u64() < chat_tokens.as_u64(),
+            "the assistant's turn adds tokens"
+        );
+
+        for (path, request, param) in [
+            (
+                "/tokenize",
+                json!({"prompt": "a", "messages": messages}),
+                "prompt",
+            ),
+            (
+                "/tokenize",
+                json!({"prompt": "a", "add_special_tokens": true}),
+                "add_special_tokens",
+            ),
+            (
+                "/tokenize",
+                json!({"model": "gpt-4", "prompt": "a"}),
+                "model",
+            ),
+            ("/detokenize", json!({"tokens": [1, -3]}), "tokens"),
+            ("/detokenize", json!({"tokens": [99999999]}), "tokens"),
+        ] {
+            let answer = post(url, path, request.clone()).await;
+            assert!(
+                matches!(answer.status, 400 | 404),
+                "{request}: {}",
+                answer.body
+            );
+            assert_eq!(answer.param(), param, "{request}: {}", answer.body);
+        }
     });
 }

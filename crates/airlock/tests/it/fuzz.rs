@@ -26,27 +26,20 @@ fn limits() -> Limits<'static> {
         chat_template: file.chat_template.as_ref(),
         context_length: file.context_length,
         default_max_tokens: DEFAULT_MAX_TOKENS,
+        sampling_defaults: Default::default(),
     }
 }
 
 /// What the rest of the server assumes of every job the parser lets through.
-fn check_outcome(result: Result<Job, router::ApiError>) -> Result<(), TestCaseError> {
+fn check_outcome(result: Result<Vec<Job>, router::ApiError>) -> Result<(), TestCaseError> {
     let limits = limits();
     match result {
-        Ok(job) => {
-            prop_assert!(!job.prompt.is_empty(), "an empty prompt was accepted");
-            prop_assert!(job.max_tokens >= 1);
-            prop_assert!(
-                job.prompt.len() + job.max_tokens as usize <= limits.context_length,
-                "prompt {} + max_tokens {} over the context {}",
-                job.prompt.len(),
-                job.max_tokens,
-                limits.context_length
-            );
-            let vocab = limits.tokenizer.vocab_size();
-            prop_assert!(job.prompt.iter().all(|&t| (t as usize) < vocab));
-            prop_assert!((0.0..=2.0).contains(&job.sampling.temperature));
-            prop_assert!(job.sampling.top_p > 0.0 && job.sampling.top_p <= 1.0);
+        Ok(jobs) => {
+            prop_assert!(!jobs.is_empty() && jobs.len() <= router::openai::MAX_CHOICES);
+            for (index, job) in jobs.iter().enumerate() {
+                prop_assert_eq!(job.index as usize, index);
+                check_job(job, &limits)?;
+            }
         }
         Err(error) => {
             prop_assert!(
@@ -59,6 +52,31 @@ fn check_outcome(result: Result<Job, router::ApiError>) -> Result<(), TestCaseEr
             prop_assert!(!body.error.code.is_empty());
         }
     }
+    Ok(())
+}
+
+fn check_job(job: &Job, limits: &Limits) -> Result<(), TestCaseError> {
+    prop_assert!(!job.prompt.is_empty(), "an empty prompt was accepted");
+    prop_assert!(job.max_tokens >= 1);
+    prop_assert!(
+        job.prompt.len() + job.max_tokens as usize <= limits.context_length,
+        "prompt {} + max_tokens {} over the context {}",
+        job.prompt.len(),
+        job.max_tokens,
+        limits.context_length
+    );
+    let vocab = limits.tokenizer.vocab_size();
+    prop_assert!(job.prompt.iter().all(|&t| (t as usize) < vocab));
+    prop_assert!((0.0..=2.0).contains(&job.sampling.temperature));
+    prop_assert!(job.sampling.top_p > 0.0 && job.sampling.top_p <= 1.0);
+    prop_assert!((0.0..=1.0).contains(&job.sampling.min_p));
+    prop_assert!(job.sampling.repetition_penalty > 0.0);
+    prop_assert!(job.sampling.logit_bias.len() <= transfer::MAX_LOGIT_BIAS);
+    prop_assert!(job
+        .sampling
+        .logit_bias
+        .iter()
+        .all(|&(t, b)| (t as usize) < vocab && (-100.0..=100.0).contains(&b)));
     Ok(())
 }
 
@@ -111,6 +129,17 @@ const FIELDS: &[&str] = &[
     "echo",
     "best_of",
     "ignore_eos",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "top_logprobs",
+    "suffix",
+    "user",
 ];
 
 fn any_body() -> impl Strategy<Value = Value> {
@@ -126,14 +155,21 @@ fn any_body() -> impl Strategy<Value = Value> {
         prop_oneof![".{0,40}".prop_map(Value::String), any_value()],
     )
         .prop_map(|(role, content)| json!({"role": role, "content": content}));
+    // Each endpoint refuses the other's prompt field, so a body has one, the other or both.
     (
         proptest::collection::vec(field, 0..6),
         prop_oneof![Just(json!(MODEL)), any_value()],
-        proptest::collection::vec(message, 0..3),
-        prop_oneof![".{0,60}".prop_map(Value::String), any_value()],
+        proptest::option::of(proptest::collection::vec(message, 0..3)),
+        proptest::option::of(prop_oneof![".{0,60}".prop_map(Value::String), any_value()]),
     )
         .prop_map(|(fields, model, messages, prompt)| {
-            let mut body = json!({"model": model, "messages": messages, "prompt": prompt});
+            let mut body = json!({"model": model});
+            if let Some(messages) = messages {
+                body["messages"] = json!(messages);
+            }
+            if let Some(prompt) = prompt {
+                body["prompt"] = prompt;
+            }
             for (index, value) in fields {
                 body[FIELDS[index]] = value;
             }
@@ -156,28 +192,35 @@ proptest! {
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
         cut in any::<usize>(),
     ) {
-        let valid = json!({
+        let common = json!({
             "model": MODEL,
-            "prompt": "The capital of France is",
-            "messages": [{"role": "user", "content": "Hi!"}],
             "max_tokens": 16,
             "temperature": 0.5,
+            "min_p": 0.05,
+            "frequency_penalty": 0.5,
+            "logit_bias": {"42": -100},
             "stop": ["\n"],
             "stream": true,
-        })
-        .to_string()
-        .into_bytes();
-        // The starting point is accepted by both parsers, so mutations explore near a yes.
-        prop_assert!(parse_completion(&valid, &limits()).is_ok());
-        prop_assert!(parse_chat(&valid, &limits()).is_ok());
-        let mut bytes = valid.clone();
-        for (at, value) in flips {
-            let at = at % bytes.len();
-            bytes[at] = value;
-        }
-        bytes.truncate(cut % (bytes.len() + 1));
-        check_outcome(parse_completion(&bytes, &limits()))?;
-        check_outcome(parse_chat(&bytes, &limits()))?;
+        });
+        let mut completion = common.clone();
+        completion["prompt"] = json!("The capital of France is");
+        let mut chat = common;
+        chat["messages"] = json!([{"role": "user", "content": "Hi!"}]);
+        // The starting points are accepted, so mutations explore near a yes.
+        let completion = completion.to_string().into_bytes();
+        let chat = chat.to_string().into_bytes();
+        prop_assert!(parse_completion(&completion, &limits()).is_ok());
+        prop_assert!(parse_chat(&chat, &limits()).is_ok());
+        let mutate = |mut bytes: Vec<u8>| {
+            for &(at, value) in &flips {
+                let at = at % bytes.len();
+                bytes[at] = value;
+            }
+            bytes.truncate(cut % (bytes.len() + 1));
+            bytes
+        };
+        check_outcome(parse_completion(&mutate(completion), &limits()))?;
+        check_outcome(parse_chat(&mutate(chat), &limits()))?;
     }
 }
 

@@ -327,6 +327,7 @@ pub fn start(options: Options) -> TestServer {
             context_length,
             body_bytes_max: 1 << 20,
             default_max_tokens: 64,
+            sampling_defaults: Default::default(),
             in_flight_max: 256,
             start_timeout: Duration::from_secs(60),
             body_timeout: options.body_timeout,
@@ -380,6 +381,14 @@ impl Answer {
         self.json()["error"]["code"]
             .as_str()
             .unwrap_or_else(|| panic!("not an OpenAI error: {}", self.body))
+            .to_string()
+    }
+
+    /// The request field an error answer names (`param`), or "" when none.
+    pub fn param(&self) -> String {
+        self.json()["error"]["param"]
+            .as_str()
+            .unwrap_or_default()
             .to_string()
     }
 

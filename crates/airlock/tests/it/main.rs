@@ -8,6 +8,7 @@ mod cluster;
 mod edge;
 mod fuzz;
 mod harness;
+mod logprobs;
 mod matrix;
 mod openapi;
 mod prefix;

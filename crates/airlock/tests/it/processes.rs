@@ -463,3 +463,65 @@ fn assert_crashed(mut process: Process) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// `/health/ready` is 200 while one complete path (a prefill and a decode worker) is linked,
+/// whatever else is down; `/health` is 200 only while every worker is. A router over two
+/// prefill workers loses one: degraded, still ready; then loses its decode worker: not ready.
+#[test]
+fn ready_means_a_complete_path_and_health_means_every_worker() {
+    let (mut decode, decode_addr) = start_worker("decode", "0");
+    let (mut first, first_addr) = start_worker("prefill", "0");
+    let (_second, second_addr) = start_worker("prefill", "0");
+    let (_router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &format!("{first_addr},{second_addr}"),
+            "--decode",
+            &decode_addr,
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    let status = |path: &'static str| {
+        let url = url.clone();
+        async move {
+            let response = crate::harness::client()
+                .get(format!("{url}{path}"))
+                .send()
+                .await
+                .expect("answered");
+            response.status().as_u16()
+        }
+    };
+    // Polls until `path` answers `want` (links notice a dead peer within a few seconds).
+    let settles = |path: &'static str, want: u16| {
+        let status = &status;
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let got = status(path).await;
+                if got == want || std::time::Instant::now() > deadline {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    runtime().block_on(async {
+        assert_eq!(status("/health").await, 200);
+        assert_eq!(status("/health/ready").await, 200);
+        let _ = first.child.kill();
+        let _ = first.child.wait();
+        assert_eq!(settles("/health", 503).await, 503, "one prefill down");
+        assert_eq!(status("/health/ready").await, 200, "the other path serves");
+        let answer = post(&url, "/v1/completions", completion("The capital of", 2)).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let _ = decode.child.kill();
+        let _ = decode.child.wait();
+        assert_eq!(settles("/health/ready", 503).await, 503, "no decode left");
+    });
+}

@@ -511,3 +511,107 @@ fn served_greedy_chat_answers_equal_llama_cpp_with_ggml_exact_kernels() {
         }
     });
 }
+
+/// `n` choices per prompt and several prompts per completion request: each choice is its own
+/// sequence with its own `index` (prompt p's choice i is p·n + i), sampling from seed + i, so
+/// each equals the single request with that seed; the usage counts each prompt once; a
+/// stream interleaves the choices and ends with one `[DONE]`; a pool comes back whole.
+#[test]
+fn several_choices_and_prompts_each_answer_as_their_own_request() {
+    let server = start(Options::new(Mode::Disaggregated));
+    runtime().block_on(async {
+        let url = &server.url;
+        let body = |prompt: serde_json::Value, n: u32, seed: u32, stream: bool| {
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 1.0,
+                   "seed": seed, "n": n, "ignore_eos": true, "stream": stream,
+                   "stream_options": {"include_usage": stream}})
+        };
+        let texts = |answer: &serde_json::Value| -> Vec<(u64, String)> {
+            answer["choices"]
+                .as_array()
+                .expect("choices")
+                .iter()
+                .map(|c| (c["index"].as_u64().expect("index"), c["text"].to_string()))
+                .collect()
+        };
+        let single = |prompt: &'static str, seed: u32| async move {
+            let answer = post(url, "/v1/completions", body(json!(prompt), 1, seed, false)).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            answer.json()["choices"][0]["text"].to_string()
+        };
+        let prompts = json!([PROMPTS[0], PROMPTS[2]]);
+        let answer = post(url, "/v1/completions", body(prompts.clone(), 3, 40, false)).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let answer = answer.json();
+        let mut want = Vec::new();
+        for (p, prompt) in [PROMPTS[0], PROMPTS[2]].into_iter().enumerate() {
+            for i in 0..3 {
+                want.push(((p * 3 + i) as u64, single(prompt, 40 + i as u32).await));
+            }
+        }
+        assert_eq!(texts(&answer), want);
+        let prompt_tokens = |prompt| crate::harness::tokenizer().encode(prompt, false).len();
+        let usage = &answer["usage"];
+        assert_eq!(
+            usage["prompt_tokens"].as_u64(),
+            Some((prompt_tokens(PROMPTS[0]) + prompt_tokens(PROMPTS[2])) as u64),
+            "each prompt counted once: {usage}"
+        );
+        assert_eq!(usage["completion_tokens"].as_u64(), Some(6 * 12), "{usage}");
+
+        // Token-id prompts, as lists, answer as their text does.
+        let ids: Vec<Vec<u32>> = [PROMPTS[0], PROMPTS[2]]
+            .iter()
+            .map(|p| crate::harness::tokenizer().encode(p, false))
+            .collect();
+        let by_ids = post(url, "/v1/completions", body(json!(ids), 3, 40, false)).await;
+        assert_eq!(texts(&by_ids.json()), want);
+
+        // Streamed: the same text per index, one finish each, one usage, one [DONE].
+        let response = client()
+            .post(format!("{url}/v1/completions"))
+            .json(&body(prompts, 3, 40, true))
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(response.status().as_u16(), 200);
+        let (data, error) = read_stream(response).await;
+        assert_eq!(error, None);
+        assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1);
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let mut streamed = vec![(0u64, String::new(), 0); 6];
+        let mut usages = Vec::new();
+        for chunk in &data[..data.len() - 1] {
+            let chunk: serde_json::Value = serde_json::from_str(chunk).expect("chunk JSON");
+            if !chunk["usage"].is_null() {
+                usages.push(chunk["usage"].clone());
+            }
+            for choice in chunk["choices"].as_array().expect("choices") {
+                let index = choice["index"].as_u64().expect("index");
+                let entry = &mut streamed[index as usize];
+                entry.0 = index;
+                entry.1.push_str(choice["text"].as_str().unwrap_or(""));
+                entry.2 += usize::from(!choice["finish_reason"].is_null());
+            }
+        }
+        let streamed_texts: Vec<(u64, String)> = streamed
+            .iter()
+            .map(|(i, text, _)| (*i, serde_json::Value::from(text.as_str()).to_string()))
+            .collect();
+        assert_eq!(streamed_texts, want);
+        assert!(streamed.iter().all(|(_, _, finishes)| *finishes == 1));
+        assert_eq!(
+            usages,
+            vec![usage.clone()],
+            "one usage event, the same totals"
+        );
+
+        // Over the cap: 400 naming n.
+        let answer = post(url, "/v1/completions", body(json!("Hi"), 17, 1, false)).await;
+        assert_eq!(answer.status, 400, "{}", answer.body);
+        assert_eq!(answer.param(), "n");
+
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "pools back to their start:\n{page}");
+    });
+}

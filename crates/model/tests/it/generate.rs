@@ -158,6 +158,7 @@ fn sampled(seed: u64) -> Vec<u32> {
             top_k: 0,
             top_p: 1.0,
             seed,
+            ..SamplingParams::greedy()
         },
         stop: Vec::new(),
         stop_at_eos: false,

@@ -9,6 +9,7 @@ fn config() -> RouterConfig {
         context_length: 512,
         body_bytes_max: 1 << 20,
         default_max_tokens: 16,
+        sampling_defaults: Default::default(),
         in_flight_max: 8,
         start_timeout: Duration::from_secs(1),
         body_timeout: Duration::from_secs(1),

@@ -51,7 +51,7 @@ use std::ops::ControlFlow;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-use transfer::{Failure, Frame, PerTransport, PrefixCounters, Submit, TransferId};
+use transfer::{Failure, Frame, PerTransport, PrefixCounters, Submit, TokenLogprob, TransferId};
 
 /// Names one link for the life of the process.
 pub type LinkId = u64;
@@ -164,10 +164,13 @@ enum Stage {
 }
 
 struct DecodeState {
-    sampler: Sampler,
+    // Boxed: its penalty counts would make every `Stage` as large.
+    sampler: Box<Sampler>,
     stops: StopMatcher,
     pending_bytes: Vec<u8>,
     generated: Vec<u32>,
+    /// Log-probabilities of the tokens sampled since the last `Text` sent (when asked).
+    logprobs: Vec<TokenLogprob>,
     /// The token the next step feeds, and its position.
     next_input: u32,
     position: usize,

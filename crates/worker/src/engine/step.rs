@@ -4,7 +4,7 @@
 use super::{DecodeState, Engine, Key, Phase, Request, Stage};
 use kv::RequestId;
 use model::{SamplingParams, SeqStep};
-use transfer::{Failure, Finish, Frame, Plan, Submit};
+use transfer::{Failure, Finish, Frame, Plan, Submit, TokenLogprob};
 
 impl Engine {
     pub(super) fn step(&mut self) {
@@ -169,11 +169,21 @@ impl Engine {
         let (shown, finish) = if token == eos && !submit.ignore_eos {
             (String::new(), Some(Finish::Stop))
         } else {
+            if let Some(top) = submit.sampling.logprobs {
+                let (logprob, top) = model::logprobs(logits, token, top.into());
+                state.logprobs.push(TokenLogprob {
+                    token,
+                    logprob,
+                    top,
+                });
+            }
             let token_bytes = self.tokenizer.token_bytes(token);
             state.push(token, token_bytes, submit.max_tokens as usize)
         };
+        // The log-probabilities go with the next text shown, or with the end.
+        let shown = (!shown.is_empty()).then(|| (shown, std::mem::take(&mut state.logprobs)));
         let finished = finish.map(|finish| {
-            let tail = state.flush();
+            let tail = (state.flush(), std::mem::take(&mut state.logprobs));
             let frame = Frame::Finished {
                 request: key.1,
                 finish,
@@ -182,12 +192,12 @@ impl Engine {
             };
             (tail, frame)
         });
-        if !shown.is_empty() {
-            self.send(key.0, text_frame(key.1, shown));
+        if let Some((text, logprobs)) = shown {
+            self.send(key.0, text_frame(key.1, text, logprobs));
         }
-        if let Some((tail, frame)) = finished {
-            if !tail.is_empty() {
-                self.send(key.0, text_frame(key.1, tail));
+        if let Some(((tail, logprobs), frame)) = finished {
+            if !tail.is_empty() || !logprobs.is_empty() {
+                self.send(key.0, text_frame(key.1, tail, logprobs));
             }
             self.end(key, Ok(frame));
         }
@@ -197,18 +207,25 @@ impl Engine {
 impl DecodeState {
     /// The state a request starts decoding in: its first step feeds the prompt's last token.
     pub(super) fn new(submit: &Submit) -> DecodeState {
+        let requested = &submit.sampling;
         let sampling = SamplingParams {
-            temperature: submit.sampling.temperature,
-            top_k: submit.sampling.top_k as usize,
-            top_p: submit.sampling.top_p,
-            seed: submit.sampling.seed,
+            temperature: requested.temperature,
+            top_k: requested.top_k as usize,
+            top_p: requested.top_p,
+            min_p: requested.min_p,
+            presence_penalty: requested.presence_penalty,
+            frequency_penalty: requested.frequency_penalty,
+            repetition_penalty: requested.repetition_penalty,
+            logit_bias: requested.logit_bias.clone(),
+            seed: requested.seed,
         };
         let prompt_tokens = submit.prompt.len();
         DecodeState {
-            sampler: model::Sampler::new(sampling),
+            sampler: Box::new(model::Sampler::new(sampling, &submit.prompt)),
             stops: model::StopMatcher::new(&submit.stop),
             pending_bytes: Vec::new(),
             generated: Vec::new(),
+            logprobs: Vec::new(),
             next_input: submit.prompt[prompt_tokens - 1],
             position: prompt_tokens - 1,
         }
@@ -252,10 +269,10 @@ impl DecodeState {
     }
 }
 
-fn text_frame(request: RequestId, text: String) -> Frame {
+fn text_frame(request: RequestId, text: String, logprobs: Vec<TokenLogprob>) -> Frame {
     Frame::Text {
         request,
         text,
-        token_count: 1,
+        logprobs,
     }
 }

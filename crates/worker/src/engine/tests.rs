@@ -230,12 +230,7 @@ pub(super) fn submit(request: u64, prompt: &[u32], max_tokens: u32, plan: Plan) 
         tenant: TENANT,
         prompt: prompt.to_vec(),
         max_tokens,
-        sampling: Sampling {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 0,
-        },
+        sampling: Sampling::greedy(),
         stop: Vec::new(),
         ignore_eos: false,
         prefix_cache: None,

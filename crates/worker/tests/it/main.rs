@@ -121,12 +121,7 @@ fn reserve(request: RequestId, transfer: TransferId) -> Frame {
         tenant: TENANT,
         prompt: PROMPT.to_vec(),
         max_tokens: 4,
-        sampling: Sampling {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 0,
-        },
+        sampling: Sampling::greedy(),
         stop: Vec::new(),
         ignore_eos: true,
         // These tests forge the sender: no cached pages on decode, every page must come.
