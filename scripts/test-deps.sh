@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond Rust and the model: the official `openai` Python
 # client (the serving tests drive `airlock serve` with it), schemathesis (the OpenAPI fuzz
-# test, TEST-MATRIX A16, runs it against the served /openapi.json), and a TrueType font for
+# test, TEST-MATRIX A16, runs it against the served /openapi.json), lm-evaluation-harness
+# with its API extra (a log-likelihood task runs against `serve`; no torch), and a TrueType
+# font for
 # the chart test of `airlock bench --plot` (Debian's fonts-dejavu-core; plotters renders text
 # with ab_glyph from a .ttf file, no fontconfig). Idempotent: nothing is downloaded when all are
 # already there; pinned for reproducible CI.
@@ -9,6 +11,7 @@ set -euo pipefail
 
 OPENAI_VERSION="3.57.0"
 SCHEMATHESIS_VERSION="4.32.5"
+LM_EVAL_VERSION="0.4.13"
 FONT="${AIRLOCK_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}"
 
 if [ ! -f "$FONT" ]; then
@@ -25,20 +28,22 @@ if [ ! -f "$FONT" ]; then
 fi
 
 installed() {
-    python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" 2>/dev/null <<'PY'
+    python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" "$LM_EVAL_VERSION" 2>/dev/null <<'PY'
 import sys
 from importlib.metadata import version
-sys.exit((version("openai"), version("schemathesis")) != tuple(sys.argv[1:]))
+import aiohttp, tenacity  # lm_eval[api]
+sys.exit((version("openai"), version("schemathesis"), version("lm_eval")) != tuple(sys.argv[1:]))
 PY
 }
 if installed; then
     exit 0
 fi
-echo "installing openai==$OPENAI_VERSION and schemathesis==$SCHEMATHESIS_VERSION" \
-    "(Python tools the tests use)" >&2
+echo "installing openai==$OPENAI_VERSION, schemathesis==$SCHEMATHESIS_VERSION and" \
+    "lm_eval==$LM_EVAL_VERSION (Python tools the tests use)" >&2
 pip_install() {
     python3 -m pip install --quiet --disable-pip-version-check "$@" \
-        "openai==$OPENAI_VERSION" "schemathesis==$SCHEMATHESIS_VERSION"
+        "openai==$OPENAI_VERSION" "schemathesis==$SCHEMATHESIS_VERSION" \
+        "lm_eval[api]==$LM_EVAL_VERSION"
 }
 # Debian's system Python refuses plain installs (PEP 668); these are test-only dependencies.
 pip_install || pip_install --break-system-packages

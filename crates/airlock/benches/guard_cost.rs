@@ -73,7 +73,7 @@ fn main() {
             table: &tables[0],
             tokens: &prompt,
             start_pos: 0,
-            want_logits: false,
+            logits: model::LogitRows::None,
         };
         model.forward(&mut pool, &[step]).expect("prefill");
     });
@@ -82,7 +82,7 @@ fn main() {
             table,
             tokens: &prompt,
             start_pos: 0,
-            want_logits: false,
+            logits: model::LogitRows::None,
         };
         model.forward(&mut pool, &[step]).expect("prefill");
     }
@@ -94,7 +94,7 @@ fn main() {
                 table,
                 tokens: &next,
                 start_pos: PROMPT,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             })
             .collect();
         model.forward(&mut pool, &steps).expect("decode");

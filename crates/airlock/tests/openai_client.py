@@ -1,7 +1,8 @@
 """Drives `airlock serve` with the official openai client: chat and completions, streaming and
 not, as two tenants; a wrong key must raise AuthenticationError; sampling draws afresh
 without a seed and reproduces with one; logit_bias bans a token; the fields Airlock cannot
-honour are refused with 400 naming them, and the no-op ones are accepted.
+honour are refused with 400 naming them, and the no-op ones are accepted; structured output
+parses through the client; a tools round trip.
 
 Usage: openai_client.py BASE_URL KEY_A KEY_B MODEL
 """
@@ -144,6 +145,13 @@ def check_sampling(key: str) -> None:
     assert len(content) == scored.usage.completion_tokens, scored
     assert all(len(token.top_logprobs) == 2 for token in content), content
 
+    echoed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1
+    ).choices[0]
+    assert echoed.text == prompt, echoed
+    assert echoed.logprobs.token_logprobs[0] is None, echoed.logprobs
+    assert all(lp <= 0 for lp in echoed.logprobs.token_logprobs[1:]), echoed.logprobs
+
     three = client.chat.completions.create(
         model=model, messages=messages, max_tokens=8, temperature=1, n=3
     )
@@ -151,7 +159,7 @@ def check_sampling(key: str) -> None:
 
     for extra, param in [
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"n": 17}, "n"),
     ]:
@@ -163,9 +171,74 @@ def check_sampling(key: str) -> None:
             raise AssertionError(f"{param} was accepted")
 
 
+def check_structured_output(key: str) -> None:
+    """Structured output through the client's own parser: 20 of 20 answers validate."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str = pydantic.Field(max_length=24)
+        country: str = pydantic.Field(max_length=24)
+        population_millions: int = pydantic.Field(ge=0, le=100)
+        is_capital: bool
+
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+    messages = [
+        {"role": "system", "content": "Answer in JSON."},
+        {"role": "user", "content": "Describe the city of Paris."},
+    ]
+    for seed in range(20):
+        parsed = client.chat.completions.parse(
+            model=model,
+            messages=messages,
+            response_format=City,
+            max_tokens=120,
+            temperature=1,
+            seed=seed,
+        )
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, City), choice.message
+
+
+def check_tools(key: str) -> None:
+    """A tools round trip: two tools, a required call whose arguments validate, its result
+    sent back."""
+    client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=120)
+    tools = [
+        {"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"], "additionalProperties": False}}},
+        {"type": "function", "function": {
+            "name": "add", "description": "Adds two integers.",
+            "parameters": {"type": "object",
+                           "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "required": ["a", "b"], "additionalProperties": False}}},
+    ]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    answer = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="required", max_tokens=60
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    wanted = {"get_weather": {"city"}, "add": {"a", "b"}}[call.function.name]
+    assert set(arguments) == wanted, arguments
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"})
+    follow_up = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, max_tokens=16
+    )
+    assert follow_up.choices[0].finish_reason in ("stop", "length", "tool_calls"), follow_up
+
+
 check_tenant(key_a)
 check_tenant(key_b)
 check_sampling(key_a)
+check_tools(key_a)
+check_structured_output(key_b)
 
 bad = openai.OpenAI(base_url=base_url, api_key="sk-wrong-key-000000", max_retries=0)
 try:

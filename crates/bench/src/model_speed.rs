@@ -178,7 +178,7 @@ pub(crate) fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figu
                 table: &table,
                 tokens: &prompt,
                 start_pos: 0,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             }],
         )?;
         let secs = started.elapsed().as_secs_f64();
@@ -251,7 +251,7 @@ pub(crate) fn decode_run(
                 table,
                 tokens: prompt,
                 start_pos: 0,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             }],
         )?;
     }
@@ -265,7 +265,7 @@ pub(crate) fn decode_run(
                 table,
                 tokens: token,
                 start_pos: prompt.len() + step,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             })
             .collect();
         model.forward(pool, &seqs)?;

@@ -38,6 +38,7 @@ impl ChatMessage {
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -55,10 +56,12 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
-        env.add_template_owned(TEMPLATE_NAME, source.into())
+        let source = source.into();
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(template_error)?;
         Ok(ChatTemplate {
             env,
+            source,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
         })
@@ -120,6 +123,11 @@ impl ChatTemplate {
             .get_template(TEMPLATE_NAME)
             .and_then(|t| t.render(ctx))
             .map_err(template_error)
+    }
+
+    /// The template's Jinja text, as the model file holds it.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The `bos_token` string given to the template.

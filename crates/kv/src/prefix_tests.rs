@@ -435,3 +435,27 @@ fn eviction_empties_the_oldest_chain_before_touching_a_newer_one() {
     let old_hit = cache.lookup(TenantId(1), Partition(0), &old_prompt, &pool);
     assert_eq!(old_hit.page_count(), 0, "the older chain went first");
 }
+
+/// Evicting a cached page a transport still reads (prefill streams pages it has published)
+/// frees it, but no allocation gets it until the transport lets go: eviction can report
+/// pages freed that an allocation right after cannot have yet (the engine then waits).
+#[test]
+fn an_evicted_page_a_transport_still_reads_comes_back_only_when_it_lets_go() {
+    let mut pool = pool(3, false);
+    let mut cache = PrefixCache::new(PAGE);
+    let prompt = tokens(2 * PAGE, 1);
+    let table = publish(&mut pool, &mut cache, owner(1, 1), &prompt, f16::ONE);
+    let lent = pool.lend(&table, 0..2).expect("the owner's pages lend");
+    pool.release(table).expect("own");
+    assert_eq!(cache.evict(&mut pool, 2, &[]), 2, "both leave the cache");
+    assert!(matches!(
+        pool.allocate(owner(2, 2), 3 * PAGE),
+        Err(Error::OutOfPages { .. })
+    ));
+    drop(lent);
+    let table = pool
+        .allocate(owner(2, 2), 3 * PAGE)
+        .expect("back once let go");
+    pool.release(table).expect("own");
+    pool.check_invariants();
+}

@@ -63,7 +63,7 @@ fn main() {
                     table: &table,
                     tokens: &prompt,
                     start_pos: 0,
-                    want_logits: true,
+                    logits: model::LogitRows::Last,
                 }],
             )
             .expect("forward")[0]

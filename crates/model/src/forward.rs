@@ -16,8 +16,19 @@ pub struct SeqStep<'a> {
     pub table: &'a PageTable,
     pub tokens: &'a [u32],
     pub start_pos: usize,
-    /// Return next-token logits after this sequence's last token.
-    pub want_logits: bool,
+    /// Which of this sequence's rows give next-token logits.
+    pub logits: LogitRows,
+}
+
+/// Which rows of a sequence's step give next-token logits (in the step's `Logits`, one row
+/// each, in step order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    None,
+    /// After the last token: what sampling needs.
+    Last,
+    /// After every token: what prompt log-probabilities need.
+    Every,
 }
 
 /// Where each batch row comes from.
@@ -201,9 +212,12 @@ impl Model {
         let mut last_rows = Vec::new();
         let mut end = 0;
         for step in steps {
+            let start = end;
             end += step.tokens.len();
-            if step.want_logits {
-                last_rows.push(end - 1);
+            match step.logits {
+                LogitRows::None => {}
+                LogitRows::Last => last_rows.push(end - 1),
+                LogitRows::Every => last_rows.extend(start..end),
             }
         }
         // The last layer's FFN output is still to be added, to the rows that give logits.

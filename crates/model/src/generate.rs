@@ -98,12 +98,16 @@ fn run(
     let mut logits = None;
     for (i, tokens) in request.prompt.chunks(chunk).enumerate() {
         let start_pos = i * chunk;
-        let want_logits = start_pos + tokens.len() == request.prompt.len();
+        let rows = if start_pos + tokens.len() == request.prompt.len() {
+            crate::LogitRows::Last
+        } else {
+            crate::LogitRows::None
+        };
         let step = SeqStep {
             table,
             tokens,
             start_pos,
-            want_logits,
+            logits: rows,
         };
         logits = Some(model.forward(pool, &[step])?);
     }
@@ -143,7 +147,7 @@ fn run(
             table,
             tokens: &tokens[tokens.len() - 1..],
             start_pos,
-            want_logits: true,
+            logits: crate::LogitRows::Last,
         };
         next_logits.copy_from_slice(
             model

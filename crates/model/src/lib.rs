@@ -20,7 +20,7 @@ mod stop;
 
 pub use config::LlamaConfig;
 pub use error::{Error, Result};
-pub use forward::{Forward, SeqStep};
+pub use forward::{Forward, LogitRows, SeqStep};
 pub use generate::{
     generate, take_complete_utf8, FinishReason, GenerateRequest, GenerateStats, Generated,
 };

@@ -13,7 +13,7 @@
 //! read of a page that is not the request's own changes the output, exactly, with no
 //! statistics; a foreign slot's token is echoed, so another tenant's marker shows in the text.
 
-use crate::forward::{checked_views, mark_steps_written, Forward, SeqStep};
+use crate::forward::{checked_views, mark_steps_written, Forward, LogitRows, SeqStep};
 use crate::{Logits, Result};
 use half::f16;
 use kv::{KvKind, KvLayout, PagePool, PageView, TenantId};
@@ -151,10 +151,9 @@ impl Forward for OracleModel {
         let mut logits = Vec::new();
         for (step, view) in steps.iter().zip(views.iter_mut()) {
             let tenant = view.owner().tenant;
-            let phase = if step.want_logits {
-                Phase::Decode
-            } else {
-                Phase::Prompt
+            let phase = match step.logits {
+                LogitRows::Last => Phase::Decode,
+                LogitRows::None | LogitRows::Every => Phase::Prompt,
             };
             for (i, &token) in step.tokens.iter().enumerate() {
                 let position = step.start_pos + i;
@@ -164,7 +163,15 @@ impl Forward for OracleModel {
                     &Self::record(tenant, position, token, phase),
                 );
             }
-            if step.want_logits {
+            if step.logits == LogitRows::Every {
+                // Prompt rows name the token each row read: enough to count them.
+                for &token in step.tokens {
+                    let row = logits.len();
+                    logits.resize(row + self.vocab_size, UNCHOSEN);
+                    logits[row + (token as usize % self.vocab_size)] = 0.0;
+                }
+            }
+            if step.logits == LogitRows::Last {
                 let end = step.start_pos + step.tokens.len();
                 let slots: Vec<Slot> = (0..end).map(|p| Self::read(view, p, tenant)).collect();
                 let row = logits.len();
@@ -236,7 +243,7 @@ mod tests {
                     table,
                     tokens: &prompt[..n - 1],
                     start_pos: 0,
-                    want_logits: false,
+                    logits: crate::LogitRows::None,
                 }],
             )
             .expect("prefill");
@@ -250,7 +257,7 @@ mod tests {
                         table,
                         tokens: std::slice::from_ref(&input),
                         start_pos: n - 1 + i,
-                        want_logits: true,
+                        logits: crate::LogitRows::Last,
                     }],
                 )
                 .expect("decode");
@@ -297,7 +304,7 @@ mod tests {
                     table: &reader,
                     tokens: &[7],
                     start_pos: 4,
-                    want_logits: true,
+                    logits: crate::LogitRows::Last,
                 }],
             )
             .expect("step");
@@ -319,7 +326,7 @@ mod tests {
                         table: &table,
                         tokens: &prompt[..4],
                         start_pos: 0,
-                        want_logits: false,
+                        logits: crate::LogitRows::None,
                     }],
                 )
                 .expect("prefill");
@@ -342,7 +349,7 @@ mod tests {
                         table: &table,
                         tokens: &prompt[4..],
                         start_pos: 4,
-                        want_logits: true,
+                        logits: crate::LogitRows::Last,
                     }],
                 )
                 .expect("step");

@@ -300,6 +300,7 @@ impl WorkerClient {
                 Frame::Admitted { request, .. }
                 | Frame::Started { request }
                 | Frame::Text { request, .. }
+                | Frame::PromptLogprobs { request, .. }
                 | Frame::Finished { request, .. }
                 | Frame::Failed { request, .. } => *request,
                 _ => continue,

@@ -33,6 +33,7 @@ pub mod server;
 mod stream;
 pub mod tenants;
 pub mod tokens;
+pub mod tools;
 
 pub use cluster::Cluster;
 pub use edge::EdgeConfig;

@@ -5,11 +5,13 @@
 //! No field is silently ignored. Each one a body may carry is honoured, or accepted as a
 //! documented no-op where ignoring it cannot change the answer (`user`, `metadata`, `store`,
 //! `service_tier`, `parallel_tool_calls`), or refused with 400 naming it, as OpenAI refuses a
-//! field it does not know. The values we do not support yet (echo, best_of > 1, tools, a
-//! JSON `response_format`) are refused the same way.
+//! field it does not know. The values we do not support yet (best_of > 1, `echo` with
+//! `stream`) are refused the same way.
 
 use crate::error::ApiError;
+use crate::tools;
 use gguf::{ChatMessage, ChatTemplate, Tokenizer};
+use grammar::{Shape, Vocabulary};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use transfer::{Sampling, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS};
@@ -56,16 +58,24 @@ pub struct ChatRequest {
     /// With `logprobs`: also this many of the most likely tokens at each step.
     #[schema(minimum = 0, maximum = 20)]
     top_logprobs: Option<i64>,
-    /// Only `{"type": "text"}` (the default): structured output is not supported yet.
-    #[schema(schema_with = text_format)]
+    /// `{"type": "text"}` (the default); `{"type": "json_object"}`: the answer is a JSON
+    /// object; `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`: the
+    /// answer is JSON the schema accepts. Enforced token by token (constrained decoding with
+    /// llguidance); an answer cut short by `max_tokens` ends with `finish_reason: length`.
+    #[schema(schema_with = response_format)]
     response_format: Option<Value>,
-    /// Only empty: tool calls are not supported yet.
-    #[schema(value_type = Option<Vec<Object>>, max_items = 0)]
+    /// Functions the model may call (`{"type": "function", "function": {"name",
+    /// "description", "parameters"}}`), at most 128. The served model's chat template has no
+    /// tool support: they are described in the system prompt, and a call is the JSON
+    /// `{"name", "arguments"}` (see the README).
+    #[schema(value_type = Option<Vec<Object>>, max_items = 128)]
     tools: Option<Vec<Value>>,
-    /// Only `none` or `auto` (with no tools, both mean plain text).
-    #[schema(value_type = Option<String>, pattern = "^(none|auto)$")]
+    /// `none`, `auto` (the default with tools), `required`, or
+    /// `{"type": "function", "function": {"name": ...}}`. A required call is held to the
+    /// tools' parameter schemas token by token.
+    #[schema(value_type = Option<Object>)]
     tool_choice: Option<Value>,
-    /// Accepted, and a no-op without tools.
+    /// Accepted: an answer makes at most one call.
     #[serde(rename = "parallel_tool_calls")]
     _parallel_tool_calls: Option<bool>,
     /// Any other field: refused.
@@ -86,8 +96,9 @@ pub struct CompletionRequest {
     /// logits), with this many of the most likely tokens' at each step.
     #[schema(minimum = 0, maximum = 20)]
     logprobs: Option<i64>,
-    /// Only `false`.
-    #[schema(schema_with = only_false)]
+    /// Answer with the prompt's text before the completion's; with `logprobs`, the prompt
+    /// tokens' log-probabilities too (the first has none). With `max_tokens: 0`, only the
+    /// prompt. Not with `stream`.
     echo: Option<bool>,
     #[schema(minimum = 1, maximum = 1)]
     best_of: Option<i64>,
@@ -103,9 +114,9 @@ pub struct CompletionRequest {
 /// Fields both endpoints share.
 #[derive(Deserialize, ToSchema)]
 struct Common {
-    /// At least 1; the prompt and `max_tokens` together must fit the context length.
-    /// Default: the server's default, capped by what the context leaves.
-    #[schema(minimum = 1)]
+    /// At least 1 (0 only with `echo`); the prompt and `max_tokens` together must fit the
+    /// context length. Default: the server's default, capped by what the context leaves.
+    #[schema(minimum = 0)]
     max_tokens: Option<i64>,
     /// Default: the server's `--temperature` (1 unless set).
     #[schema(minimum = 0.0, maximum = 2.0)]
@@ -191,16 +202,21 @@ enum Prompt {
 
 #[derive(Deserialize, ToSchema)]
 pub(crate) struct ChatMessageIn {
-    /// `developer` is read as `system`.
-    #[schema(value_type = String, pattern = "^(system|developer|user|assistant)$")]
+    /// `developer` is read as `system`; a `tool` message is a call's result.
+    #[schema(value_type = String, pattern = "^(system|developer|user|assistant|tool)$")]
     role: String,
-    /// `null` only for an assistant message (an empty turn).
+    /// `null` only for an assistant message (an empty turn, or one of only `tool_calls`).
     #[schema(value_type = Option<Content>)]
     content: Option<Content>,
     /// The participant's name, given to the chat template beside the role.
     #[schema(min_length = 1, max_length = 256)]
     name: Option<String>,
-    /// Any other field (`tool_calls`, `tool_call_id`, `audio`...): refused.
+    /// An assistant's earlier calls (OpenAI's shape), rendered as the JSON a call is.
+    #[schema(value_type = Option<Vec<Object>>)]
+    tool_calls: Option<Vec<Value>>,
+    /// A `tool` message: the call it answers.
+    tool_call_id: Option<String>,
+    /// Any other field (`audio`, `refusal`...): refused.
     #[serde(flatten)]
     #[schema(ignore)]
     unknown: Map<String, Value>,
@@ -257,6 +273,12 @@ pub struct Job {
     pub include_usage: bool,
     /// The client's `cache_salt`, checked (1 to 256 characters).
     pub cache_salt: Option<String>,
+    /// Answer with the prompt's text (and, with logprobs, its tokens' scores) first.
+    pub echo: bool,
+    /// Echo only: the one token generated is not shown (`max_tokens: 0`).
+    pub hide_completion: bool,
+    /// The tools the answer may call: an answer that is a call becomes `tool_calls`.
+    pub tools: Option<tools::ToolUse>,
 }
 
 /// What validation needs to know about the deployment.
@@ -267,6 +289,9 @@ pub struct Limits<'a> {
     pub context_length: usize,
     pub default_max_tokens: usize,
     pub sampling_defaults: SamplingDefaults,
+    /// The model's tokens for structured output; `None` where the grammar engine could not
+    /// take them (a JSON `response_format` then gets 400).
+    pub vocabulary: Option<&'a Vocabulary>,
 }
 
 /// The sampling settings a request gets for those it leaves out: the server's
@@ -310,16 +335,21 @@ fn schema(value: serde_json::Value) -> RefOr<Schema> {
     RefOr::T(serde_json::from_value(value).expect("the literal is a schema"))
 }
 
-/// A flag whose `true` is refused.
-fn only_false() -> RefOr<Schema> {
-    schema(json!({"type": ["boolean", "null"], "enum": [false, null]}))
-}
-
-/// `response_format`: plain text only.
-fn text_format() -> RefOr<Schema> {
+/// `response_format`.
+fn response_format() -> RefOr<Schema> {
     schema(json!({
         "type": ["object", "null"],
-        "properties": {"type": {"type": "string", "enum": ["text"]}},
+        "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]},
+                },
+            },
+        },
         "required": ["type"],
     }))
 }
@@ -396,31 +426,47 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
         }
         (true, top) => Some(top_logprobs(top.unwrap_or(0), "top_logprobs")?),
     };
-    check_response_format(request.response_format.as_ref())?;
-    if request
-        .tools
-        .as_ref()
-        .is_some_and(|tools| !tools.is_empty())
-    {
-        return Err(not_yet("tools"));
+    let constraint = response_shape(request.response_format.as_ref(), limits)?;
+    if constraint.is_some() && request.common.ignore_eos == Some(true) {
+        return Err(ApiError::invalid(
+            "ignore_eos cannot go with a JSON response_format: the answer ends with the JSON",
+            "ignore_eos",
+        ));
     }
-    match &request.tool_choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(choice)) if choice == "none" || choice == "auto" => {}
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "tool_choice must be \"none\" or \"auto\": tool calls are not supported yet",
-                "tool_choice",
-            ))
-        }
-    }
-    let prompt = chat_prompt(request.messages, true, limits)?;
+    let (tools, choice) = tools::parse(request.tools, request.tool_choice)?;
+    let forced: Vec<&tools::Tool> = match &choice {
+        tools::Choice::Required => tools.iter().collect(),
+        tools::Choice::Named(name) => tools.iter().filter(|t| t.name == *name).collect(),
+        tools::Choice::Text | tools::Choice::Auto => Vec::new(),
+    };
+    let constraint = if forced.is_empty() {
+        constraint
+    } else if constraint.is_some() {
+        return Err(ApiError::invalid(
+            "a required tool call cannot also have a JSON response_format",
+            "response_format",
+        ));
+    } else {
+        let shape = Shape::JsonSchema(tools::call_schema(&forced));
+        Some(compile_shape(shape, limits, "tools")?)
+    };
+    let tool_use = (choice != tools::Choice::Text).then(|| tools::ToolUse {
+        names: tools.iter().map(|t| t.name.clone()).collect(),
+    });
+    let system = (!tools.is_empty()).then(|| tools::system_text(&tools));
+    let prompt = chat_prompt(request.messages, true, system.as_deref(), limits)?;
     let max_tokens = request.max_completion_tokens.or(request.common.max_tokens);
+    let report = Report {
+        logprobs,
+        echo: false,
+        constraint,
+        tools: tool_use,
+    };
     build_jobs(
         Endpoint::Chat,
         vec![prompt],
         max_tokens,
-        logprobs,
+        report,
         request.common,
         limits,
     )
@@ -431,14 +477,25 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
 pub(crate) fn chat_prompt(
     messages: Vec<ChatMessageIn>,
     add_generation_prompt: bool,
+    system: Option<&str>,
     limits: &Limits,
 ) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", "messages"));
     }
-    let mut checked = Vec::with_capacity(messages.len());
+    let mut checked = Vec::with_capacity(messages.len() + 1);
     for (index, message) in messages.into_iter().enumerate() {
         checked.push(chat_message(index, message)?);
+    }
+    // What the system prompt gains (the tools): after the caller's system message, or as one.
+    if let Some(system) = system {
+        match checked.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content.push_str("\n\n");
+                first.content.push_str(system);
+            }
+            _ => checked.insert(0, ChatMessage::new("system", system)),
+        }
     }
     let template = limits.chat_template.ok_or_else(|| {
         ApiError::invalid(
@@ -464,16 +521,38 @@ fn chat_message(index: usize, message: ChatMessageIn) -> Result<ChatMessage, Api
     let role = match message.role.as_str() {
         "system" | "user" | "assistant" => message.role,
         "developer" => "system".to_string(),
-        "tool" => return Err(not_yet(field("role"))),
+        "tool" if message.tool_call_id.is_some() => message.role,
+        "tool" => {
+            return Err(ApiError::invalid(
+                "a tool message needs the tool_call_id of the call it answers",
+                field("tool_call_id"),
+            ))
+        }
         other => {
             return Err(ApiError::invalid(
                 format!(
-                    "message role '{}' is not one of system, developer, user, assistant",
+                    "message role '{}' is not one of system, developer, user, assistant, tool",
                     other.chars().take(32).collect::<String>()
                 ),
                 field("role"),
             ))
         }
+    };
+    if message.tool_call_id.is_some() && role != "tool" {
+        return Err(ApiError::invalid(
+            "only a tool message has a tool_call_id",
+            field("tool_call_id"),
+        ));
+    }
+    let calls = match message.tool_calls {
+        Some(calls) if role == "assistant" => tools::render_calls(&calls, &field("tool_calls"))?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "only an assistant message has tool_calls",
+                field("tool_calls"),
+            ))
+        }
+        None => String::new(),
     };
     let content = match message.content {
         Some(content) => content_text(content, || field("content"))?,
@@ -495,6 +574,12 @@ fn chat_message(index: usize, message: ChatMessageIn) -> Result<ChatMessage, Api
             field("name"),
         ));
     }
+    // An assistant turn's calls follow its text, as the JSON a call is.
+    let content = match (content.is_empty(), calls.is_empty()) {
+        (_, true) => content,
+        (true, false) => calls,
+        (false, false) => format!("{content}\n{calls}"),
+    };
     let mut out = ChatMessage::new(role, content);
     out.name = message.name;
     Ok(out)
@@ -516,9 +601,7 @@ fn not_yet(param: impl Into<std::borrow::Cow<'static, str>>) -> ApiError {
     let param = param.into();
     let what = match param.as_ref() {
         "tools" => "tool calls are",
-        "echo" => "echo is",
         "best_of" => "best_of (the best of several samples) is",
-        "response_format" => "structured output (a JSON response_format) is",
         _ => "tool messages are",
     };
     ApiError::invalid(
@@ -544,19 +627,69 @@ pub(crate) fn refuse_unknown(unknown: &Map<String, Value>, prefix: &str) -> Resu
     }
 }
 
-fn check_response_format(format: Option<&Value>) -> Result<(), ApiError> {
+/// The shape `response_format` asks of the answer, compiled once here so that a schema the
+/// grammar engine refuses gets 400 (the worker compiles it again for the request's decode).
+/// Returns it as the `Submit` carries it; `None` for plain text.
+fn response_shape(format: Option<&Value>, limits: &Limits) -> Result<Option<String>, ApiError> {
+    let param = "response_format";
     let kind = match format {
-        None | Some(Value::Null) => return Ok(()),
+        None | Some(Value::Null) => return Ok(None),
         Some(format) => format.get("type").and_then(Value::as_str),
     };
-    match kind {
-        Some("text") => Ok(()),
-        Some("json_object" | "json_schema") => Err(not_yet("response_format")),
-        _ => Err(ApiError::invalid(
-            "response_format must be an object whose type is \"text\"",
-            "response_format",
-        )),
+    let shape = match kind {
+        Some("text") => return Ok(None),
+        Some("json_object") => Shape::JsonObject,
+        Some("json_schema") => {
+            let schema = format
+                .and_then(|f| f.get("json_schema"))
+                .and_then(|j| j.get("schema"))
+                .filter(|schema| schema.is_object())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "response_format.json_schema.schema must be a JSON schema object",
+                        param,
+                    )
+                })?;
+            Shape::JsonSchema(schema.clone())
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "response_format.type must be \"text\", \"json_object\" or \"json_schema\"",
+                param,
+            ))
+        }
+    };
+    compile_shape(shape, limits, param).map(Some)
+}
+
+/// `shape` compiled once (a schema the grammar engine refuses gets 400 naming `param`), as
+/// the `Submit` carries it.
+fn compile_shape(shape: Shape, limits: &Limits, param: &'static str) -> Result<String, ApiError> {
+    let wire = shape.to_wire();
+    if wire.len() > transfer::MAX_STRING_BYTES {
+        return Err(ApiError::invalid(
+            format!(
+                "{param}: the schema is {} bytes; at most {} are accepted",
+                wire.len(),
+                transfer::MAX_STRING_BYTES
+            ),
+            param,
+        ));
     }
+    let vocabulary = limits.vocabulary.ok_or_else(|| {
+        ApiError::invalid(
+            format!("{param}: structured output is not available on this server"),
+            param,
+        )
+    })?;
+    vocabulary.constraint(&shape).map_err(|error| {
+        let error: String = error.chars().take(300).collect();
+        ApiError::invalid(
+            format!("{param}: the schema cannot be followed: {error}"),
+            param,
+        )
+    })?;
+    Ok(wire)
 }
 
 /// A completion request's jobs: `n` per prompt, in `index` order.
@@ -568,8 +701,12 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiErr
         .logprobs
         .map(|top| top_logprobs(top, "logprobs"))
         .transpose()?;
-    if request.echo == Some(true) {
-        return Err(not_yet("echo"));
+    let echo = request.echo.unwrap_or(false);
+    if echo && request.common.stream == Some(true) {
+        return Err(ApiError::invalid(
+            "echo: echo with stream is not supported yet; leave one out",
+            "echo",
+        ));
     }
     if request.best_of.is_some_and(|n| n != 1) {
         return Err(not_yet("best_of"));
@@ -604,11 +741,17 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiErr
         Prompt::TokenLists(lists) => lists.into_iter().map(ids).collect::<Result<_, _>>()?,
     };
     let max_tokens = request.common.max_tokens;
+    let report = Report {
+        logprobs,
+        echo,
+        constraint: None,
+        tools: None,
+    };
     build_jobs(
         Endpoint::Completions,
         prompts,
         max_tokens,
-        logprobs,
+        report,
         request.common,
         limits,
     )
@@ -671,7 +814,7 @@ fn build_jobs(
     endpoint: Endpoint,
     prompts: Vec<Vec<u32>>,
     max_tokens: Option<i64>,
-    logprobs: Option<u8>,
+    report: Report,
     common: Common,
     limits: &Limits,
 ) -> Result<Vec<Job>, ApiError> {
@@ -690,23 +833,34 @@ fn build_jobs(
     }
     let mut jobs = Vec::with_capacity(choices as usize);
     for prompt in prompts {
-        let job = build_job(endpoint, prompt, max_tokens, &common, limits)?;
+        let job = build_job(endpoint, prompt, max_tokens, &report, &common, limits)?;
         for choice in 0..n as u32 {
             let mut job = job.clone();
             job.index = jobs.len() as u32;
             job.n = n as u32;
             job.sampling.seed = job.sampling.seed.wrapping_add(choice.into());
-            job.sampling.logprobs = logprobs;
             jobs.push(job);
         }
     }
     Ok(jobs)
 }
 
+/// What a request asks beside sampling: what to be told, and what shape to answer in.
+#[derive(Clone)]
+struct Report {
+    logprobs: Option<u8>,
+    echo: bool,
+    /// Structured output, as the `Submit` carries it.
+    constraint: Option<String>,
+    /// The tools an answer may call.
+    tools: Option<tools::ToolUse>,
+}
+
 fn build_job(
     endpoint: Endpoint,
     prompt: Vec<u32>,
     max_tokens: Option<i64>,
+    report: &Report,
     common: &Common,
     limits: &Limits,
 ) -> Result<Job, ApiError> {
@@ -715,19 +869,23 @@ fn build_job(
     }
     let context_length = limits.context_length;
     let prompt_tokens = prompt.len();
+    let max_tokens_asked = max_tokens;
     let max_tokens = match max_tokens {
         None => limits
             .default_max_tokens
             .min(context_length.saturating_sub(prompt_tokens))
             .max(1) as i64,
+        // Only the prompt, echoed: one token is generated (every request is) and not shown.
+        Some(0) if report.echo => 1,
         Some(n) if n < 1 => {
             return Err(ApiError::invalid(
-                format!("max_tokens must be at least 1 (got {n})"),
+                format!("max_tokens must be at least 1, or 0 with echo (got {n})"),
                 "max_tokens",
             ))
         }
         Some(n) => n,
     };
+    let hide_completion = report.echo && max_tokens_asked == Some(0);
     let total = (prompt_tokens as i64).saturating_add(max_tokens);
     if total > context_length as i64 {
         return Err(ApiError::ContextLengthExceeded {
@@ -739,7 +897,10 @@ fn build_job(
             ),
         });
     }
-    let sampling = sampling(common, limits)?;
+    let mut sampling = sampling(common, limits)?;
+    sampling.logprobs = report.logprobs;
+    sampling.prompt_logprobs = report.echo && report.logprobs.is_some();
+    sampling.constraint = report.constraint.clone();
     let stop = match &common.stop {
         None => Vec::new(),
         Some(Stop::One(stop)) => vec![stop.clone()],
@@ -776,6 +937,9 @@ fn build_job(
     };
     let stream = common.stream.unwrap_or(false);
     Ok(Job {
+        tools: report.tools.clone(),
+        echo: report.echo,
+        hide_completion,
         endpoint,
         index: 0,
         n: 1,
@@ -849,6 +1013,8 @@ fn sampling(common: &Common, limits: &Limits) -> Result<Sampling, ApiError> {
         logit_bias: logit_bias(common.logit_bias.as_ref(), limits.tokenizer.vocab_size())?,
         seed: sampling_seed(common.seed),
         logprobs: None,
+        prompt_logprobs: false,
+        constraint: None,
     })
 }
 

@@ -9,7 +9,9 @@ use crate::responses::{
     TextCompletion, TextCompletionChunk,
 };
 use crate::server::RouterConfig;
-use crate::tokens::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
+use crate::tokens::{
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
+};
 use serde_json::{json, Value};
 use utoipa::openapi::path::Operation;
 use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
@@ -30,6 +32,7 @@ use utoipa::{Modify, OpenApi};
         crate::routes::models,
         crate::routes::tokenize,
         crate::routes::detokenize,
+        crate::routes::tokenizer_info,
         crate::routes::health,
         crate::routes::live,
         crate::routes::ready,
@@ -48,6 +51,7 @@ use utoipa::{Modify, OpenApi};
         TokenizeResponse,
         DetokenizeRequest,
         DetokenizeResponse,
+        TokenizerInfo,
         Health,
         HealthStatus,
         ErrorBody,
@@ -65,7 +69,7 @@ fn errors(path: &str) -> &'static [u16] {
             &[400, 401, 404, 408, 413, 415, 429, 431, 499, 500, 503, 504]
         }
         "/tokenize" | "/detokenize" => &[400, 401, 404, 408, 413, 415, 429, 431, 503],
-        "/v1/models" => &[401, 429, 431, 503],
+        "/v1/models" | "/tokenizer_info" => &[401, 429, 431, 503],
         _ => &[429, 431, 503],
     }
 }

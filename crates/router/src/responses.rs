@@ -5,6 +5,7 @@
 //! before these types existed: the bytes on the wire did not change with them.
 
 use crate::openai::Endpoint;
+pub use crate::tools::ToolCall;
 use serde::Serialize;
 use std::time::SystemTime;
 use transfer::Finish;
@@ -18,6 +19,9 @@ use utoipa::ToSchema;
 pub enum FinishReason {
     Stop,
     Length,
+    /// The answer is a call to one of the request's tools.
+    #[serde(rename = "tool_calls")]
+    ToolCalls,
 }
 
 impl From<Finish> for FinishReason {
@@ -35,6 +39,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::ToolCalls => "tool_calls",
         }
     }
 }
@@ -151,10 +156,12 @@ pub struct TopLogprob {
 pub struct CompletionLogprobs {
     /// Where each token starts in the choice's text, in characters.
     pub text_offset: Vec<usize>,
-    pub token_logprobs: Vec<f32>,
+    /// `null` for an echoed prompt's first token, which nothing predicts.
+    pub token_logprobs: Vec<Option<f32>>,
     pub tokens: Vec<String>,
-    /// Per token, the most likely tokens at its step and their log-probabilities.
-    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+    /// Per token, the most likely tokens at its step and their log-probabilities (`null` for
+    /// an echoed prompt's first token).
+    pub top_logprobs: Vec<Option<std::collections::BTreeMap<String, f32>>>,
 }
 
 impl ChatLogprobs {
@@ -180,22 +187,34 @@ impl ChatLogprobs {
 }
 
 impl CompletionLogprobs {
-    /// The scores of tokens whose text starts `offset` characters into the choice's text.
-    fn new(scored: &[Scored], mut offset: usize) -> CompletionLogprobs {
-        let mut text_offset = Vec::with_capacity(scored.len());
+    /// The scores of tokens whose text starts `offset` characters into the choice's text,
+    /// after an unscored first token (an echoed prompt's) when there is one.
+    fn new(unscored_first: Option<&str>, scored: &[Scored], offset: usize) -> CompletionLogprobs {
+        let mut logprobs = CompletionLogprobs {
+            text_offset: Vec::with_capacity(scored.len() + 1),
+            token_logprobs: Vec::with_capacity(scored.len() + 1),
+            tokens: Vec::with_capacity(scored.len() + 1),
+            top_logprobs: Vec::with_capacity(scored.len() + 1),
+        };
+        let mut offset = offset;
+        let mut push = |token: &str, scores: Option<(f32, &[TokenScore])>| {
+            logprobs.text_offset.push(offset);
+            offset += token.chars().count();
+            logprobs.tokens.push(token.to_string());
+            logprobs
+                .token_logprobs
+                .push(scores.map(|(logprob, _)| logprob));
+            logprobs.top_logprobs.push(
+                scores.map(|(_, top)| top.iter().map(|t| (t.token.clone(), t.logprob)).collect()),
+            );
+        };
+        if let Some(first) = unscored_first {
+            push(first, None);
+        }
         for s in scored {
-            text_offset.push(offset);
-            offset += s.chosen.token.chars().count();
+            push(&s.chosen.token, Some((s.chosen.logprob, &s.top)));
         }
-        CompletionLogprobs {
-            text_offset,
-            token_logprobs: scored.iter().map(|s| s.chosen.logprob).collect(),
-            tokens: scored.iter().map(|s| s.chosen.token.clone()).collect(),
-            top_logprobs: scored
-                .iter()
-                .map(|s| s.top.iter().map(|t| (t.token.clone(), t.logprob)).collect())
-                .collect(),
-        }
+        logprobs
     }
 }
 
@@ -224,9 +243,12 @@ pub struct ChatChoice {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct AssistantMessage {
-    pub content: String,
+    /// `null` when the answer is a tool call.
+    pub content: Option<String>,
     #[schema(value_type = String, pattern = "^assistant$")]
     pub role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One `data:` event of a streamed `/v1/chat/completions` answer. The first carries the
@@ -260,6 +282,17 @@ pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<String>, pattern = "^assistant$")]
     pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallChunk>>,
+}
+
+/// A tool call in a streamed answer: the whole call, in one event.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ToolCallChunk {
+    #[serde(flatten)]
+    pub call: ToolCall,
+    /// Which call of the choice.
+    pub index: u32,
 }
 
 /// One event of a streamed answer, as an SSE client parses it (OpenAPI before 3.2 describes
@@ -340,6 +373,8 @@ pub enum Piece<'a> {
     /// Text, the scores of the tokens it came from, and (completions) where it starts in the
     /// choice's text, in characters.
     Text(&'a str, &'a [Scored], usize),
+    /// The choice's answer is these tool calls (chat).
+    ToolCalls(&'a [ToolCall]),
     Finish(FinishReason),
     /// After the finish, when the client asked for usage.
     Usage(Usage),
@@ -361,8 +396,18 @@ pub enum Whole {
     Text(TextCompletion),
 }
 
-/// One choice of a whole answer: its index, text, finish and token scores.
-pub type WholeChoice = (u32, String, FinishReason, Vec<Scored>);
+/// One choice of a whole answer.
+pub struct WholeChoice {
+    pub index: u32,
+    pub text: String,
+    pub finish: FinishReason,
+    /// Each token's score, when asked for: an echoed prompt's (all but the first) first.
+    pub scores: Vec<Scored>,
+    /// An echoed prompt's first token, which has no score.
+    pub unscored_first: Option<String>,
+    /// The answer as tool calls (then `text` is not shown).
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
 
 fn created() -> u64 {
     SystemTime::now()
@@ -371,21 +416,21 @@ fn created() -> u64 {
 }
 
 impl Head {
-    /// The whole answer: each choice's index, text, finish and token scores, and the
-    /// request's usage.
+    /// The whole answer: each choice's, and the request's usage.
     pub fn whole(&self, choices: Vec<WholeChoice>, usage: Usage) -> Whole {
         let asked = self.logprobs;
         match self.endpoint {
             Endpoint::Chat => Whole::Chat(ChatCompletion {
                 choices: choices
                     .into_iter()
-                    .map(|(index, text, finish, scored)| ChatChoice {
-                        finish_reason: finish,
-                        index,
-                        logprobs: asked.then(|| ChatLogprobs::new(&scored)),
+                    .map(|choice| ChatChoice {
+                        finish_reason: choice.finish,
+                        index: choice.index,
+                        logprobs: asked.then(|| ChatLogprobs::new(&choice.scores)),
                         message: AssistantMessage {
-                            content: text,
+                            content: choice.tool_calls.is_none().then_some(choice.text),
                             role: "assistant",
+                            tool_calls: choice.tool_calls,
                         },
                     })
                     .collect(),
@@ -398,11 +443,14 @@ impl Head {
             Endpoint::Completions => Whole::Text(TextCompletion {
                 choices: choices
                     .into_iter()
-                    .map(|(index, text, finish, scored)| TextChoice {
-                        finish_reason: Some(finish),
-                        index,
-                        logprobs: asked.then(|| CompletionLogprobs::new(&scored, 0)),
-                        text,
+                    .map(|choice| TextChoice {
+                        finish_reason: Some(choice.finish),
+                        index: choice.index,
+                        logprobs: asked.then(|| {
+                            let first = choice.unscored_first.as_deref();
+                            CompletionLogprobs::new(first, &choice.scores, 0)
+                        }),
+                        text: choice.text,
                     })
                     .collect(),
                 created: created(),
@@ -419,6 +467,7 @@ impl Head {
         let (text, finish, usage) = match piece {
             Piece::Opening => (Some(""), None, None),
             Piece::Text(text, ..) => (Some(text), None, None),
+            Piece::ToolCalls(_) => (None, None, None),
             Piece::Finish(finish) => (None, Some(finish), None),
             Piece::Usage(usage) => (None, None, Some(usage)),
         };
@@ -435,6 +484,18 @@ impl Head {
                         delta: Delta {
                             content: text.map(str::to_string),
                             role: matches!(piece, Piece::Opening).then_some("assistant"),
+                            tool_calls: match piece {
+                                Piece::ToolCalls(calls) => Some(
+                                    (0..)
+                                        .zip(calls)
+                                        .map(|(index, call)| ToolCallChunk {
+                                            call: call.clone(),
+                                            index,
+                                        })
+                                        .collect(),
+                                ),
+                                _ => None,
+                            },
                         },
                         finish_reason: finish,
                         index,
@@ -454,7 +515,7 @@ impl Head {
                         finish_reason: finish,
                         index,
                         logprobs: scored
-                            .map(|(scored, offset)| CompletionLogprobs::new(scored, offset)),
+                            .map(|(scored, offset)| CompletionLogprobs::new(None, scored, offset)),
                         text: text.unwrap_or("").to_string(),
                     })
                     .into_iter()

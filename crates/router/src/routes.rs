@@ -12,7 +12,9 @@ use crate::responses::{
 };
 use crate::run::Run;
 use crate::server::AppState;
-use crate::tokens::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
+use crate::tokens::{
+    DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
+};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -145,6 +147,7 @@ fn limits(state: &AppState) -> Limits<'_> {
         context_length: state.config.context_length,
         default_max_tokens: state.config.default_max_tokens,
         sampling_defaults: state.config.sampling_defaults,
+        vocabulary: state.vocabulary.as_ref(),
     }
 }
 
@@ -163,11 +166,7 @@ pub(crate) async fn tokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let answer = async {
-        let body = checked_body(&state, &headers, body).await?;
-        crate::tokens::tokenize(&body, &limits(&state))
-    };
-    answer.await.map(Json).into_response()
+    answer_body(&state, &headers, body, crate::tokens::tokenize).await
 }
 
 /// The text of token ids.
@@ -184,22 +183,42 @@ pub(crate) async fn detokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let answer = async {
-        let body = checked_body(&state, &headers, body).await?;
-        crate::tokens::detokenize(&body, &limits(&state))
-    };
-    answer.await.map(Json).into_response()
+    answer_body(&state, &headers, body, crate::tokens::detokenize).await
 }
 
-/// A JSON body from a caller with a valid key, within the body limits.
-async fn checked_body(
+/// The tokenizer's special tokens and chat template (vLLM's shape).
+#[utoipa::path(
+    get,
+    path = "/tokenizer_info",
+    tag = "inference",
+    responses((status = 200, description = "The special tokens, chat template and limits.",
+        body = TokenizerInfo)),
+    security(("bearer" = []))
+)]
+pub(crate) async fn tokenizer_info(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(error) = authenticate(&state, &headers) {
+        return error.into_response();
+    }
+    Json(crate::tokens::tokenizer_info(&limits(&state))).into_response()
+}
+
+/// `answer` of a JSON body from a caller with a valid key, within the body limits.
+async fn answer_body<T: serde::Serialize>(
     state: &AppState,
     headers: &HeaderMap,
     body: Body,
-) -> Result<axum::body::Bytes, ApiError> {
-    authenticate(state, headers)?;
-    require_json(headers)?;
-    read_body(body, &state.config).await
+    answer: fn(&[u8], &Limits) -> Result<T, ApiError>,
+) -> Response {
+    let answered = async {
+        authenticate(state, headers)?;
+        require_json(headers)?;
+        let body = read_body(body, &state.config).await?;
+        answer(&body, &limits(state))
+    };
+    answered.await.map(Json).into_response()
 }
 
 /// The one model served.

@@ -11,7 +11,7 @@ use crate::cluster::{role_name, WorkerClient};
 use crate::error::ApiError;
 use crate::metrics::{Counter, RequestOutcome, TransferOutcome};
 use crate::openai::{Endpoint, Job};
-use crate::responses::{FinishReason, Head, Scored, TokenScore, Usage};
+use crate::responses::{FinishReason, Head, Scored, TokenScore, ToolCall, Usage, WholeChoice};
 use crate::server::AppState;
 use crate::tenants::TenantPermit;
 use axum::response::{IntoResponse, Response};
@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::OwnedSemaphorePermit;
-use transfer::{Frame, Plan, Role, Submit, TransferId};
+use transfer::{Finish, Frame, Plan, Role, Submit, TokenLogprob, TransferId};
 
 /// One request in flight. Dropping it before it ended aborts it on every worker it reached.
 pub(crate) struct Run {
@@ -35,6 +35,12 @@ pub(crate) struct Run {
     phase: Phase,
     /// Prompt tokens the computing worker (unified or prefill) took from its prefix cache.
     cached_tokens: u32,
+    /// With `prompt_logprobs`: the score of each prompt token but the first, as the
+    /// computing worker reports them (`PromptLogprobs`), and how many came.
+    prompt_scores: Vec<Option<Scored>>,
+    prompt_scored: usize,
+    /// Decode's `Finished`, held until every prompt score has come.
+    held_finish: Option<(Finish, u32, u32)>,
     _permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
@@ -69,7 +75,11 @@ impl Phase {
 }
 
 /// The prefill worker, the channel its frames go to, and the submit to send it.
-type PendingPrefill = (Arc<WorkerClient>, UnboundedSender<(Role, Frame)>, Frame);
+type PendingPrefill = (
+    Arc<WorkerClient>,
+    UnboundedSender<(Role, Frame)>,
+    Box<Frame>,
+);
 
 /// What the request's frames amount to, one at a time.
 pub(crate) enum Step {
@@ -90,8 +100,16 @@ impl Run {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let tenant = permit.tenant().id;
-        let prefix_cache = (state.config.prefix_cache && permit.tenant().prefix_cache)
+        // Prompt scores need every prompt token computed: no cached pages.
+        let prefix_cache = (state.config.prefix_cache
+            && permit.tenant().prefix_cache
+            && !job.sampling.prompt_logprobs)
             .then(|| cache_partition(job.cache_salt.as_deref()));
+        let prompt_scores = if job.sampling.prompt_logprobs {
+            job.prompt.len() - 1
+        } else {
+            0
+        };
         let submit = |plan| {
             Frame::Submit(Submit {
                 request: id,
@@ -137,7 +155,7 @@ impl Run {
                 decode_addr: decode.addr.clone(),
                 decode_holds_pages: 0,
             });
-            let prefill = (prefill, tx, prefill_submit);
+            let prefill = (prefill, tx, Box::new(prefill_submit));
             (vec![decode], Phase::Reserving { prefill })
         };
         state.waiting.fetch_add(1, Ordering::Relaxed);
@@ -150,6 +168,9 @@ impl Run {
             arrived: Instant::now(),
             phase,
             cached_tokens: 0,
+            prompt_scores: vec![None; prompt_scores],
+            prompt_scored: 0,
+            held_finish: None,
             _permit: permit,
             _slot: slot,
         })
@@ -208,6 +229,9 @@ impl Run {
                     self.submit_prefill(cached_pages)?
                 }
                 Frame::Admitted { cached_tokens, .. } => self.cached_tokens = cached_tokens,
+                Frame::PromptLogprobs {
+                    first, logprobs, ..
+                } => self.note_prompt_scores(first, logprobs),
                 Frame::Started { .. } => {
                     let sealed = matches!(self.phase, Phase::Prefilling) && self.workers.len() == 2;
                     self.enter(Phase::Streaming { last_token: None });
@@ -245,11 +269,11 @@ impl Run {
                             ..
                         },
                     ..
-                }) = &mut submit
+                }) = submit.as_mut()
                 {
                     *holds = decode_holds_pages;
                 }
-                if !prefill.submit(self.id, tx, submit) {
+                if !prefill.submit(self.id, tx, *submit) {
                     return Err(self.fail(ApiError::NoWorkers {
                         message: "the prefill worker went away; retry".into(),
                     }));
@@ -297,11 +321,31 @@ impl Run {
     /// The next thing the client should hear.
     pub(crate) async fn next(&mut self) -> Step {
         loop {
-            let Some((role, frame)) = self.rx.recv().await else {
+            if let Some(finished) = self.finish_when_scored() {
+                return finished;
+            }
+            let received = if self.held_finish.is_some() {
+                // Decode has finished; prompt scores are still on their way from prefill.
+                let wait = self.state.config.start_timeout;
+                match tokio::time::timeout(wait, self.rx.recv()).await {
+                    Ok(received) => received,
+                    Err(_) => return Step::Failed(self.fail(ApiError::Internal)),
+                }
+            } else {
+                self.rx.recv().await
+            };
+            let Some((role, frame)) = received else {
                 return Step::Failed(self.fail(ApiError::Internal));
             };
             if let (Role::Prefill, Frame::Admitted { cached_tokens, .. }) = (role, &frame) {
                 self.cached_tokens = *cached_tokens;
+            }
+            if let Frame::PromptLogprobs {
+                first, logprobs, ..
+            } = frame
+            {
+                self.note_prompt_scores(first, logprobs);
+                continue;
             }
             if role == Role::Prefill && matches!(self.phase, Phase::Streaming { .. }) {
                 continue;
@@ -320,15 +364,7 @@ impl Run {
                             }
                         }
                     }
-                    let tokenizer = &self.state.tokenizer;
-                    let score = |token, logprob| TokenScore::new(tokenizer, token, logprob);
-                    let scored = logprobs
-                        .into_iter()
-                        .map(|entry| Scored {
-                            chosen: score(entry.token, entry.logprob),
-                            top: entry.top.into_iter().map(|(t, l)| score(t, l)).collect(),
-                        })
-                        .collect();
+                    let scored = logprobs.into_iter().map(|e| self.scored(e)).collect();
                     return Step::Text(text, scored);
                 }
                 Frame::Finished {
@@ -336,16 +372,7 @@ impl Run {
                     prompt_tokens,
                     completion_tokens,
                     ..
-                } => {
-                    let finish = FinishReason::from(finish);
-                    self.state.metrics.inc(Counter::Requests {
-                        outcome: RequestOutcome::Ok,
-                        reason: finish.label(),
-                    });
-                    self.enter(Phase::Ended(Ending::Finished));
-                    let usage = Usage::new(prompt_tokens, completion_tokens, self.cached_tokens);
-                    return Step::Finished(finish, usage);
-                }
+                } => self.held_finish = Some((finish, prompt_tokens, completion_tokens)),
                 Frame::Failed {
                     failure, message, ..
                 } => {
@@ -353,6 +380,50 @@ impl Run {
                     return Step::Failed(self.fail(error));
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// The request's end, once decode has finished it and every prompt score has come.
+    fn finish_when_scored(&mut self) -> Option<Step> {
+        let (finish, prompt_tokens, completion_tokens) = self.held_finish?;
+        if self.prompt_scored < self.prompt_scores.len() {
+            return None;
+        }
+        self.held_finish = None;
+        let finish = FinishReason::from(finish);
+        self.state.metrics.inc(Counter::Requests {
+            outcome: RequestOutcome::Ok,
+            reason: finish.label(),
+        });
+        self.enter(Phase::Ended(Ending::Finished));
+        let usage = Usage::new(prompt_tokens, completion_tokens, self.cached_tokens);
+        Some(Step::Finished(finish, usage))
+    }
+
+    /// A worker's token score as the client reads it.
+    fn scored(&self, entry: TokenLogprob) -> Scored {
+        let tokenizer = &self.state.tokenizer;
+        let score = |token, logprob| TokenScore::new(tokenizer, token, logprob);
+        Scored {
+            chosen: score(entry.token, entry.logprob),
+            top: entry.top.into_iter().map(|(t, l)| score(t, l)).collect(),
+        }
+    }
+
+    /// Prompt scores from position `first` (1 is the second prompt token); any outside the
+    /// prompt, or already had, are dropped.
+    fn note_prompt_scores(&mut self, first: u32, logprobs: Vec<TokenLogprob>) {
+        for (i, entry) in logprobs.into_iter().enumerate() {
+            let slot = (first as usize)
+                .checked_sub(1)
+                .and_then(|base| base.checked_add(i))
+                .and_then(|index| self.prompt_scores.get(index));
+            if matches!(slot, Some(None)) {
+                let scored = self.scored(entry);
+                let index = first as usize - 1 + i;
+                self.prompt_scores[index] = Some(scored);
+                self.prompt_scored += 1;
             }
         }
     }
@@ -369,14 +440,7 @@ impl Run {
                 }
                 Step::Failed(error) => return Err(error),
                 Step::Finished(finish, usage) => {
-                    return Ok(Collected {
-                        index: self.index(),
-                        first_of_prompt: self.first_of_prompt(),
-                        text,
-                        finish,
-                        usage,
-                        scores,
-                    })
+                    return Ok(self.collected(text, scores, finish, usage))
                 }
             }
         }
@@ -385,12 +449,9 @@ impl Run {
 
 /// One choice of a non-streamed answer.
 struct Collected {
-    index: u32,
     first_of_prompt: bool,
-    text: String,
-    finish: FinishReason,
     usage: Usage,
-    scores: Vec<Scored>,
+    choice: WholeChoice,
 }
 
 /// The client's answer to a request of one run per choice: a stream or the whole answer,
@@ -407,11 +468,69 @@ pub(crate) async fn answer(mut runs: Vec<Run>) -> Result<Response, ApiError> {
     // The first error (nothing was sent yet, so it gets its own status) drops the others.
     let choices = futures_util::future::try_join_all(runs.into_iter().map(Run::collect)).await?;
     let usage = Usage::total(choices.iter().map(|c| (c.first_of_prompt, c.usage)));
-    let choices = choices
-        .into_iter()
-        .map(|c| (c.index, c.text, c.finish, c.scores))
-        .collect();
+    let choices = choices.into_iter().map(|c| c.choice).collect();
     Ok(Json(head.whole(choices, usage)).into_response())
+}
+
+impl Run {
+    /// A finished choice's answer: with `echo`, the prompt's text and scores first; with
+    /// `max_tokens: 0`, without the one token generated.
+    fn collected(
+        &mut self,
+        mut text: String,
+        mut scores: Vec<Scored>,
+        mut finish: FinishReason,
+        mut usage: Usage,
+    ) -> Collected {
+        if self.job.hide_completion {
+            (text, finish) = (String::new(), FinishReason::Length);
+            scores.clear();
+            let cached = usage.prompt_tokens_details.cached_tokens;
+            usage = Usage::new(usage.prompt_tokens, 0, cached);
+        }
+        let mut unscored_first = None;
+        if self.job.echo {
+            let tokenizer = &self.state.tokenizer;
+            text.insert_str(0, &tokenizer.decode(&self.job.prompt));
+            let prompt_scores: Vec<Scored> = std::mem::take(&mut self.prompt_scores)
+                .into_iter()
+                .flatten()
+                .collect();
+            scores.splice(0..0, prompt_scores);
+            let first = self.job.prompt[0];
+            unscored_first = Some(TokenScore::new(tokenizer, first, 0.0).token);
+        }
+        let tool_calls = self.tool_calls(&text, finish);
+        if tool_calls.is_some() {
+            finish = FinishReason::ToolCalls;
+        }
+        Collected {
+            first_of_prompt: self.first_of_prompt(),
+            usage,
+            choice: WholeChoice {
+                index: self.index(),
+                text,
+                finish,
+                scores,
+                unscored_first,
+                tool_calls,
+            },
+        }
+    }
+
+    /// The calls a finished answer makes, when the request has tools and the answer is one.
+    pub(crate) fn tool_calls(&self, text: &str, finish: FinishReason) -> Option<Vec<ToolCall>> {
+        let tools = self.job.tools.as_ref()?;
+        (finish == FinishReason::Stop)
+            .then(|| crate::tools::calls_in(text, tools))
+            .flatten()
+    }
+
+    /// How the answer's tool calls are read, when the request has tools (a stream then holds
+    /// its text until the end).
+    pub(crate) fn tool_use(&self) -> Option<crate::tools::ToolUse> {
+        self.job.tools.clone()
+    }
 }
 
 impl Drop for Run {

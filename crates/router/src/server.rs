@@ -53,6 +53,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub(crate) tokenizer: Tokenizer,
     pub(crate) chat_template: Option<ChatTemplate>,
+    /// The model's tokens for structured output (`None`: the grammar engine refused them).
+    pub(crate) vocabulary: Option<grammar::Vocabulary>,
     pub(crate) in_flight: Arc<Semaphore>,
     /// Requests submitted to the workers and not yet started (a metrics gauge).
     pub(crate) waiting: AtomicUsize,
@@ -83,6 +85,12 @@ impl AppState {
             tenants,
             cluster,
             metrics,
+            vocabulary: grammar::Vocabulary::new(&tokenizer)
+                .inspect_err(|error| {
+                    tracing::warn!(%error, "structured output is off: JSON response_format \
+                        requests get 400");
+                })
+                .ok(),
             tokenizer,
             chat_template,
             waiting: AtomicUsize::new(0),
@@ -119,13 +127,14 @@ impl Route {
 /// Every route `app` serves, and nothing else.
 pub(crate) fn routes() -> Vec<Route> {
     use crate::routes::{chat, completions, detokenize, health, live, metrics, models};
-    use crate::routes::{openapi, ready, tokenize};
+    use crate::routes::{openapi, ready, tokenize, tokenizer_info};
     vec![
         Route::new(Method::POST, "/v1/chat/completions", chat),
         Route::new(Method::POST, "/v1/completions", completions),
         Route::new(Method::GET, "/v1/models", models),
         Route::new(Method::POST, "/tokenize", tokenize),
         Route::new(Method::POST, "/detokenize", detokenize),
+        Route::new(Method::GET, "/tokenizer_info", tokenizer_info),
         Route::new(Method::GET, "/health", health),
         Route::new(Method::GET, "/health/live", live),
         Route::new(Method::GET, "/health/ready", ready),

@@ -2,9 +2,10 @@
 //! finish, the usage when asked for, then `[DONE]` once every choice has finished. A request
 //! with several choices (`n`, or several prompts) interleaves their events, each carrying its
 //! choice's `index`. Headers are out by then, so a failure is an `error` event and no `[DONE]`
-//! (I2); the other choices are then aborted.
+//! (I2); the other choices are then aborted. A request with tools holds each choice's text
+//! until its end, which shows whether the answer is text or a tool call.
 
-use crate::responses::{Head, Piece, Usage};
+use crate::responses::{FinishReason, Head, Piece, Usage};
 use crate::run::{Run, Step};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -30,6 +31,10 @@ struct StreamState {
     over: bool,
     /// Characters of text sent so far, per choice (completions' `text_offset`).
     sent_chars: HashMap<u32, usize>,
+    /// With tools: each choice's text, held until its end shows whether it is a call.
+    held: Option<HashMap<u32, String>>,
+    /// The runs' tool reading, to turn a held text into calls.
+    tools: Option<crate::tools::ToolUse>,
 }
 
 pub(crate) fn response(runs: Vec<Run>) -> Response {
@@ -38,6 +43,7 @@ pub(crate) fn response(runs: Vec<Run>) -> Response {
     };
     let head = first.head();
     let include_usage = first.include_usage();
+    let tools = first.tool_use();
     let queued = runs
         .iter()
         .map(|run| data(&head.chunk(run.index(), Piece::Opening)))
@@ -51,6 +57,8 @@ pub(crate) fn response(runs: Vec<Run>) -> Response {
         queued,
         over: false,
         sent_chars: HashMap::new(),
+        held: tools.as_ref().map(|_| HashMap::new()),
+        tools,
     };
     Sse::new(events(state)).into_response()
 }
@@ -86,6 +94,10 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
             }
             let (index, first_of_prompt, step) = state.steps.next().await?;
             match step {
+                Step::Text(text, _) if state.held.is_some() => {
+                    let held = state.held.as_mut().expect("checked");
+                    held.entry(index).or_default().push_str(&text);
+                }
                 Step::Text(text, scored) => {
                     let offset = state.sent_chars.entry(index).or_default();
                     let piece = state
@@ -94,7 +106,22 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
                     *offset += text.chars().count();
                     state.queued.push_back(data(&piece));
                 }
-                Step::Finished(finish, usage) => {
+                Step::Finished(mut finish, usage) => {
+                    if let Some(held) = state.held.as_mut() {
+                        let text = held.remove(&index).unwrap_or_default();
+                        let tools = state.tools.as_ref().expect("held only with tools");
+                        let calls = (finish == FinishReason::Stop)
+                            .then(|| crate::tools::calls_in(&text, tools))
+                            .flatten();
+                        let piece = match &calls {
+                            Some(calls) => {
+                                finish = FinishReason::ToolCalls;
+                                state.head.chunk(index, Piece::ToolCalls(calls))
+                            }
+                            None => state.head.chunk(index, Piece::Text(&text, &[], 0)),
+                        };
+                        state.queued.push_back(data(&piece));
+                    }
                     let last = state.head.chunk(index, Piece::Finish(finish));
                     state.queued.push_back(data(&last));
                     state.usages.push((first_of_prompt, usage));

@@ -22,6 +22,9 @@ pub struct TokenizeRequest {
     messages: Option<Vec<ChatMessageIn>>,
     /// With `messages`: end with the assistant's turn, as a chat request does. Default true.
     add_generation_prompt: Option<bool>,
+    /// With `prompt`: start with the beginning-of-sequence token, where the model has one.
+    /// Default false: a prompt is counted as `/v1/completions` counts it, which adds none.
+    add_special_tokens: Option<bool>,
     #[serde(flatten)]
     #[schema(ignore)]
     unknown: Map<String, Value>,
@@ -62,10 +65,17 @@ pub(crate) fn tokenize(body: &[u8], limits: &Limits) -> Result<TokenizeResponse,
         check_model(model, limits)?;
     }
     let tokens = match (request.prompt, request.messages) {
-        (Some(text), None) => limits.tokenizer.encode(&text, false),
+        (Some(text), None) => {
+            let mut tokens = limits.tokenizer.encode(&text, false);
+            if request.add_special_tokens == Some(true) {
+                tokens.splice(0..0, limits.tokenizer.bos_id());
+            }
+            tokens
+        }
         (None, Some(messages)) => chat_prompt(
             messages,
             request.add_generation_prompt.unwrap_or(true),
+            None,
             limits,
         )?,
         _ => {
@@ -80,6 +90,36 @@ pub(crate) fn tokenize(body: &[u8], limits: &Limits) -> Result<TokenizeResponse,
         max_model_len: limits.context_length,
         tokens,
     })
+}
+
+/// `GET /tokenizer_info`, in vLLM's shape: what a client that tokenizes through this
+/// server (lm-evaluation-harness's remote tokenizer) needs besides `/tokenize`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TokenizerInfo {
+    pub bos_token: Option<String>,
+    /// The model's chat template (Jinja), if it has one.
+    pub chat_template: Option<String>,
+    pub eos_token: Option<String>,
+    /// The most tokens a request (prompt + max_tokens) may hold.
+    pub model_max_length: usize,
+    pub pad_token: Option<String>,
+    pub vocab_size: usize,
+}
+
+pub(crate) fn tokenizer_info(limits: &Limits) -> TokenizerInfo {
+    let tokenizer = limits.tokenizer;
+    let text = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.token_text(id))
+            .map(str::to_string)
+    };
+    TokenizerInfo {
+        bos_token: text(tokenizer.bos_id()),
+        chat_template: limits.chat_template.map(|t| t.source().to_string()),
+        eos_token: text(Some(tokenizer.eos_id())),
+        model_max_length: limits.context_length,
+        pad_token: None,
+        vocab_size: tokenizer.vocab_size(),
+    }
 }
 
 pub(crate) fn detokenize(body: &[u8], limits: &Limits) -> Result<DetokenizeResponse, ApiError> {

@@ -15,7 +15,8 @@ use kv::{Partition, RequestId, TenantId};
 /// Version 2: the accepting side proves itself only after the connecting side has.
 /// Version 5: the one-sided transport's `GrantAsk`, `WriteGrant`, `WriteAbort`, `WriteAbortAck`.
 /// Version 6: `Sampling` carries min-p, the penalties, the logit bias and the log-probabilities
-/// asked for; `Text` carries its tokens' log-probabilities instead of a token count.
+/// asked for; `Text` carries its tokens' log-probabilities instead of a token count;
+/// `PromptLogprobs`; `Sampling::constraint`.
 pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
@@ -44,9 +45,13 @@ pub const MAX_TEXT_LOGPROBS: usize = 4096;
 pub const MAX_GRANT_PAGES: usize = 1 << 20;
 
 // The caps must leave every frame a legitimate peer sends inside one frame: a prompt at its
-// cap (4 bytes a token) with every stop string at its cap, and a handshake frame.
+// cap (4 bytes a token) with every stop string and the constraint at their caps, the logit
+// bias at its, and a handshake frame.
 const _: () = assert!(
-    MAX_PROMPT_TOKENS * 4 + MAX_STOP_STRINGS * (MAX_STRING_BYTES + 4) + MAX_LOGIT_BIAS * 8 + 1024
+    MAX_PROMPT_TOKENS * 4
+        + (MAX_STOP_STRINGS + 1) * (MAX_STRING_BYTES + 4)
+        + MAX_LOGIT_BIAS * 8
+        + 1024
         <= MAX_FRAME_BYTES
 );
 const _: () = assert!(crate::handshake::HANDSHAKE_FRAME_BYTES_MAX <= MAX_FRAME_BYTES);
@@ -149,6 +154,13 @@ pub struct Sampling {
     /// Report each sampled token's log-probability, with this many of the most likely
     /// tokens' (at most [`MAX_TOP_LOGPROBS`]); `None`: report none.
     pub logprobs: Option<u8>,
+    /// With `logprobs`: the worker that computes the prompt also reports every prompt token's
+    /// log-probability (but the first's), in `PromptLogprobs` frames. Such a request reuses
+    /// no cached prompt pages: every token must be computed.
+    pub prompt_logprobs: bool,
+    /// Structured output: the answer must be JSON this schema accepts (`""`: any JSON
+    /// object), as `grammar::Shape::to_wire` writes it; at most [`MAX_STRING_BYTES`].
+    pub constraint: Option<String>,
 }
 
 /// A sampled token's log-probability under the model (the log-softmax of its raw logits,
@@ -175,6 +187,8 @@ impl Sampling {
             logit_bias: Vec::new(),
             seed: 0,
             logprobs: None,
+            prompt_logprobs: false,
+            constraint: None,
         }
     }
 }
@@ -369,6 +383,7 @@ wire_enum! {
         WriteGrant = 20,
         WriteAbort = 21,
         WriteAbortAck = 22,
+        PromptLogprobs = 23,
     }
 }
 
@@ -414,6 +429,13 @@ pub enum Frame {
     Text {
         request: RequestId,
         text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// Log-probabilities of prompt tokens `first..` (as positions in the prompt), from the
+    /// worker that computed them, for a request with `prompt_logprobs`.
+    PromptLogprobs {
+        request: RequestId,
+        first: u32,
         logprobs: Vec<TokenLogprob>,
     },
     Finished {
@@ -640,6 +662,7 @@ impl Frame {
             Frame::Admitted { .. } => FrameKind::Admitted,
             Frame::Started { .. } => FrameKind::Started,
             Frame::Text { .. } => FrameKind::Text,
+            Frame::PromptLogprobs { .. } => FrameKind::PromptLogprobs,
             Frame::Finished { .. } => FrameKind::Finished,
             Frame::Failed { .. } => FrameKind::Failed,
             Frame::PoolStats { .. } => FrameKind::PoolStats,
@@ -700,16 +723,16 @@ impl Frame {
             } => {
                 w.u64(request.0);
                 w.string(text);
-                w.u32(logprobs.len() as u32);
-                for entry in logprobs {
-                    w.u32(entry.token);
-                    w.f32(entry.logprob);
-                    w.u8(entry.top.len() as u8);
-                    for &(token, logprob) in &entry.top {
-                        w.u32(token);
-                        w.f32(logprob);
-                    }
-                }
+                encode_logprobs(w, logprobs);
+            }
+            Frame::PromptLogprobs {
+                request,
+                first,
+                logprobs,
+            } => {
+                w.u64(request.0);
+                w.u32(*first);
+                encode_logprobs(w, logprobs);
             }
             Frame::Finished {
                 request,
@@ -874,6 +897,11 @@ impl Frame {
                 text: r.string("text")?,
                 logprobs: decode_logprobs(r)?,
             },
+            FrameKind::PromptLogprobs => Frame::PromptLogprobs {
+                request: RequestId(r.u64()?),
+                first: r.u32()?,
+                logprobs: decode_logprobs(r)?,
+            },
             FrameKind::Finished => Frame::Finished {
                 request: RequestId(r.u64()?),
                 finish: Finish::from_wire(r.u8()?, "finish")?,
@@ -1018,6 +1046,14 @@ fn encode_submit(w: &mut Writer, submit: &Submit) {
             w.u8(top);
         }
     }
+    w.u8(submit.sampling.prompt_logprobs as u8);
+    match &submit.sampling.constraint {
+        None => w.u8(0),
+        Some(shape) => {
+            w.u8(1);
+            w.string(shape);
+        }
+    }
     w.u8(submit.stop.len() as u8);
     for stop in &submit.stop {
         w.string(stop);
@@ -1080,15 +1116,14 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         repetition_penalty,
         logit_bias,
         seed: r.u64()?,
-        logprobs: match r.u8()? {
-            0 => None,
-            1 => Some(r.bounded_u8("logprobs", MAX_TOP_LOGPROBS)?),
-            value => {
-                return Err(DecodeError::UnknownEnum {
-                    field: "logprobs",
-                    value,
-                })
-            }
+        logprobs: match r.flag("logprobs")? {
+            true => Some(r.bounded_u8("logprobs", MAX_TOP_LOGPROBS)?),
+            false => None,
+        },
+        prompt_logprobs: r.flag("prompt_logprobs")?,
+        constraint: match r.flag("constraint")? {
+            true => Some(r.string("constraint")?),
+            false => None,
         },
     };
     let stop_count = r.u8()? as usize;
@@ -1103,16 +1138,7 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
     for _ in 0..stop_count {
         stop.push(r.string("stop")?);
     }
-    let ignore_eos = match r.u8()? {
-        0 => false,
-        1 => true,
-        value => {
-            return Err(DecodeError::UnknownEnum {
-                field: "ignore_eos",
-                value,
-            })
-        }
-    };
+    let ignore_eos = r.flag("ignore_eos")?;
     let prefix_cache = match r.u8()? {
         0 => None,
         1 => Some(Partition(r.u64()?)),
@@ -1151,6 +1177,19 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         prefix_cache,
         plan,
     })
+}
+
+fn encode_logprobs(w: &mut Writer, logprobs: &[TokenLogprob]) {
+    w.u32(logprobs.len() as u32);
+    for entry in logprobs {
+        w.u32(entry.token);
+        w.f32(entry.logprob);
+        w.u8(entry.top.len() as u8);
+        for &(token, logprob) in &entry.top {
+            w.u32(token);
+            w.f32(logprob);
+        }
+    }
 }
 
 fn decode_logprobs(r: &mut Reader) -> Result<Vec<TokenLogprob>, DecodeError> {
@@ -1278,6 +1317,14 @@ impl<'a> Reader<'a> {
             });
         }
         Ok(len)
+    }
+    /// A one-byte flag: 0 or 1.
+    fn flag(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            value => Err(DecodeError::UnknownEnum { field, value }),
+        }
     }
     /// A one-byte count, at most `cap`.
     fn bounded_u8(&mut self, field: &'static str, cap: usize) -> Result<u8, DecodeError> {

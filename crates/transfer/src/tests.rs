@@ -40,6 +40,8 @@ fn sample_frames() -> Vec<Frame> {
             logit_bias: vec![(2, -100.0), (49151, 3.5)],
             seed: 11,
             logprobs: Some(5),
+            prompt_logprobs: true,
+            constraint: Some("{\"type\":\"object\"}".into()),
         },
         stop: vec!["\n\n".into(), "é".into()],
         ignore_eos: true,
@@ -110,6 +112,15 @@ fn sample_frames() -> Vec<Frame> {
             request: RequestId(4),
             text: String::new(),
             logprobs: Vec::new(),
+        },
+        Frame::PromptLogprobs {
+            request: RequestId(4),
+            first: 1,
+            logprobs: vec![TokenLogprob {
+                token: 7,
+                logprob: -9.5,
+                top: vec![(3, -0.5)],
+            }],
         },
         Frame::Finished {
             request: RequestId(5),

@@ -165,7 +165,11 @@ fn out_of_range_fields_get_400_naming_the_field() {
             "object",
         ),
         case("empty stop", json!({"stop": [""]}), "stop"),
-        case("echo", json!({"echo": true}), "echo"),
+        case(
+            "echo with stream",
+            json!({"echo": true, "stream": true}),
+            "echo",
+        ),
     ]);
 }
 
@@ -344,24 +348,44 @@ fn every_refused_field_gets_400_naming_it() {
         ),
         (chat(json!({"top_logprobs": 3})), "top_logprobs"),
         (chat(json!({"n": 30})), "n"),
-        (chat(json!({"tools": [tool]})), "tools"),
+        (
+            chat(json!({"tools": [{"type": "function", "function": {"name": "a b"}}]})),
+            "tools[0]",
+        ),
+        (
+            chat(json!({"tools": [tool], "tool_choice": {"type": "function",
+                                                       "function": {"name": "g"}}})),
+            "tool_choice",
+        ),
         (chat(json!({"tool_choice": "required"})), "tool_choice"),
         (
-            chat(json!({"response_format": {"type": "json_object"}})),
+            chat(json!({"response_format": {"type": "json_schema",
+                                             "json_schema": {"schema": 5}}})),
             "response_format",
+        ),
+        (
+            chat(
+                json!({"response_format": {"type": "json_schema", "json_schema":
+                {"name": "x", "schema": {"type": "no-such-type"}}}}),
+            ),
+            "response_format",
+        ),
+        (
+            chat(json!({"response_format": {"type": "json_object"}, "ignore_eos": true})),
+            "ignore_eos",
         ),
         (
             chat(json!({"messages": [{"role": "user", "content": "Hi", "audio": {}}]})),
             "messages[0].audio",
         ),
         (
-            chat(json!({"messages": [{"role": "tool", "content": "4", "tool_call_id": "a"}]})),
+            chat(json!({"messages": [{"role": "user", "content": "4", "tool_call_id": "a"}]})),
             "messages[0].tool_call_id",
         ),
         (
             chat(json!({"messages": [{"role": "user", "content": "Hi"},
                                       {"role": "tool", "content": "4"}]})),
-            "messages[1].role",
+            "messages[1].tool_call_id",
         ),
         (
             chat(json!({"messages": [{"role": "user", "content": null}]})),
@@ -369,7 +393,7 @@ fn every_refused_field_gets_400_naming_it() {
         ),
         (completion(json!({"messages": []})), "messages"),
         (completion(json!({"logprobs": -1})), "logprobs"),
-        (completion(json!({"echo": true})), "echo"),
+        (completion(json!({"echo": true, "stream": true})), "echo"),
         (completion(json!({"best_of": 2})), "best_of"),
         (completion(json!({"suffix": "end"})), "suffix"),
         (completion(json!({"top_logprobs": 1})), "top_logprobs"),
@@ -425,6 +449,37 @@ fn tokenize_and_detokenize_count_as_generation_does() {
         );
         assert!(tokenized["max_model_len"].as_u64() > Some(0), "{tokenized}");
 
+        // With the beginning-of-sequence token, as vLLM's /tokenize adds it when asked.
+        let with_bos = post(
+            url,
+            "/tokenize",
+            json!({"prompt": prompt, "add_special_tokens": true}),
+        )
+        .await
+        .json();
+        let bos = crate::harness::tokenizer()
+            .bos_id()
+            .expect("the model has one");
+        assert_eq!(with_bos["tokens"][0], json!(bos));
+        assert_eq!(with_bos["count"], json!(tokens.len() + 1));
+        // What lm-evaluation-harness's remote tokenizer reads first.
+        let info: serde_json::Value = crate::harness::client()
+            .get(format!("{url}/tokenizer_info"))
+            .send()
+            .await
+            .expect("answered")
+            .json()
+            .await
+            .expect("JSON");
+        assert!(info["eos_token"].is_string(), "{info}");
+        assert!(
+            info["chat_template"]
+                .as_str()
+                .is_some_and(|t| t.contains("im_start")),
+            "{info}"
+        );
+        assert_eq!(info["model_max_length"], tokenized["max_model_len"]);
+
         let text = post(url, "/detokenize", json!({"tokens": tokens})).await;
         assert_eq!(text.status, 200, "{}", text.body);
         assert_eq!(text.json()["prompt"], json!(prompt));
@@ -458,8 +513,8 @@ fn tokenize_and_detokenize_count_as_generation_does() {
             ),
             (
                 "/tokenize",
-                json!({"prompt": "a", "add_special_tokens": true}),
-                "add_special_tokens",
+                json!({"prompt": "a", "truncate_prompt_tokens": 4}),
+                "truncate_prompt_tokens",
             ),
             (
                 "/tokenize",

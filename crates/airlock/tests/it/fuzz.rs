@@ -27,7 +27,13 @@ fn limits() -> Limits<'static> {
         context_length: file.context_length,
         default_max_tokens: DEFAULT_MAX_TOKENS,
         sampling_defaults: Default::default(),
+        vocabulary: Some(vocabulary()),
     }
+}
+
+fn vocabulary() -> &'static grammar::Vocabulary {
+    static VOCABULARY: OnceLock<grammar::Vocabulary> = OnceLock::new();
+    VOCABULARY.get_or_init(|| grammar::Vocabulary::new(&file().tokenizer).expect("vocabulary"))
 }
 
 /// What the rest of the server assumes of every job the parser lets through.

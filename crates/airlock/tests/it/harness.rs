@@ -426,6 +426,31 @@ pub async fn post(url: &str, path: &str, body: serde_json::Value) -> Answer {
 }
 
 /// A greedy completion request for `prompt`.
+/// A streamed answer of `path` to `body`: its `data:` chunks as JSON (without `[DONE]`), and
+/// the whole body as sent.
+pub async fn post_stream(
+    url: &str,
+    path: &str,
+    body: &serde_json::Value,
+) -> (Vec<serde_json::Value>, String) {
+    let text = client()
+        .post(format!("{url}{path}"))
+        .json(body)
+        .send()
+        .await
+        .expect("sent")
+        .text()
+        .await
+        .expect("body");
+    let chunks = text
+        .lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).expect("a chunk is JSON"))
+        .collect();
+    (chunks, text)
+}
+
 pub fn completion(prompt: &str, max_tokens: usize) -> serde_json::Value {
     serde_json::json!({
         "model": MODEL,

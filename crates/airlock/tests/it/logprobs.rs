@@ -5,7 +5,7 @@
 //! within the fast kernels' own logit tolerance on those; chat and completion shapes,
 //! streamed and not, report the same numbers for the same answer.
 
-use crate::harness::{client, post, runtime, start, Mode, Options, MODEL};
+use crate::harness::{post, post_stream, runtime, start, Mode, Options, MODEL};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -154,21 +154,9 @@ fn chat_and_completion_logprobs_agree_streamed_and_not() {
 
         let mut streamed = chat.clone();
         streamed["stream"] = json!(true);
-        let body = client()
-            .post(format!("{url}/v1/chat/completions"))
-            .json(&streamed)
-            .send()
-            .await
-            .expect("sent")
-            .text()
-            .await
-            .expect("body");
+        let (chunks, _) = post_stream(url, "/v1/chat/completions", &streamed).await;
         let mut streamed_content = Vec::new();
-        for line in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
-            if line == "[DONE]" {
-                continue;
-            }
-            let chunk: Value = serde_json::from_str(line).expect("chunk");
+        for chunk in &chunks {
             if let Some(tokens) = chunk["choices"][0]["logprobs"]["content"].as_array() {
                 streamed_content.extend(tokens.iter().cloned());
             }
@@ -231,4 +219,106 @@ fn chat_and_completion_logprobs_agree_streamed_and_not() {
             assert_eq!(answer.param(), param);
         }
     });
+}
+
+/// `echo` with `logprobs` and `max_tokens: 0` answers the prompt itself (what
+/// lm-evaluation-harness scores log-likelihood with): its text, one score per token, the
+/// first null, computed by whichever worker prefilled it. A prompt's last token scores what
+/// the model gave it when it generated that token after the rest.
+#[test]
+fn echo_scores_the_prompt_as_generation_would() {
+    for mode in [Mode::Unified, Mode::Disaggregated] {
+        let server = start(Options::new(mode));
+        runtime().block_on(async {
+            let url = &server.url;
+            let base = "The capital of France is";
+            let generated = post(
+                url,
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": base, "max_tokens": 1, "temperature": 0,
+                       "logprobs": 2}),
+            )
+            .await
+            .json();
+            let choice = &generated["choices"][0];
+            let next = choice["text"].as_str().expect("text").to_string();
+            let next_logprob = choice["logprobs"]["token_logprobs"][0]
+                .as_f64()
+                .expect("lp");
+            let prompt = format!("{base}{next}");
+            let count = |text: &str| {
+                let text = text.to_string();
+                async move {
+                    post(url, "/tokenize", json!({"prompt": text})).await.json()["count"]
+                        .as_u64()
+                        .expect("count") as usize
+                }
+            };
+            assert_eq!(
+                count(&prompt).await,
+                count(base).await + 1,
+                "one more token"
+            );
+
+            let echoed = post(
+                url,
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": true,
+                       "logprobs": 2}),
+            )
+            .await;
+            assert_eq!(echoed.status, 200, "{mode:?}: {}", echoed.body);
+            let echoed = echoed.json();
+            let choice = &echoed["choices"][0];
+            assert_eq!(choice["text"].as_str(), Some(prompt.as_str()));
+            assert_eq!(choice["finish_reason"], "length");
+            assert_eq!(echoed["usage"]["completion_tokens"], 0);
+            let logprobs = &choice["logprobs"];
+            let scores = logprobs["token_logprobs"].as_array().expect("scores");
+            assert_eq!(scores.len(), count(&prompt).await, "{logprobs}");
+            assert!(scores[0].is_null() && logprobs["top_logprobs"][0].is_null());
+            assert!(
+                scores[1..].iter().all(|s| s.as_f64() <= Some(0.0)),
+                "{logprobs}"
+            );
+            let tokens: String = logprobs["tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .map(|t| t.as_str().expect("token"))
+                .collect();
+            assert_eq!(tokens, prompt);
+            let last = scores.last().and_then(Value::as_f64).expect("last score");
+            assert!(
+                (last - next_logprob).abs() < 0.05,
+                "{mode:?}: the prompt's last token scores {last}, generated {next_logprob}"
+            );
+
+            // Echo without logprobs: the prompt's text, then the answer; no scores.
+            let plain = post(
+                url,
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": base, "max_tokens": 1, "echo": true,
+                       "temperature": 0}),
+            )
+            .await
+            .json();
+            assert_eq!(plain["choices"][0]["text"].as_str(), Some(prompt.as_str()));
+            assert!(plain["choices"][0]["logprobs"].is_null());
+
+            for (body, param) in [
+                (
+                    json!({"prompt": base, "echo": true, "stream": true}),
+                    "echo",
+                ),
+                (json!({"prompt": base, "max_tokens": 0}), "max_tokens"),
+            ] {
+                let mut body = body;
+                body["model"] = json!(MODEL);
+                let answer = post(url, "/v1/completions", body).await;
+                assert_eq!(answer.status, 400, "{}", answer.body);
+                assert_eq!(answer.param(), param);
+            }
+        });
+    }
 }

@@ -14,3 +14,5 @@ mod openapi;
 mod prefix;
 mod processes;
 mod serving;
+mod structured;
+mod tools;

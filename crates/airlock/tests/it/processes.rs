@@ -525,3 +525,42 @@ fn ready_means_a_complete_path_and_health_means_every_worker() {
         assert_eq!(settles("/health/ready", 503).await, 503, "no decode left");
     });
 }
+
+/// lm-evaluation-harness, as users run it against a server (`local-completions`, tokenizing
+/// through `/tokenize`), scores a small log-likelihood task shipped in tests/data/lm_eval
+/// against `airlock serve`: every choice's log-likelihood equals the one the server's own
+/// `echo` + `logprobs` answer gives, and so does the accuracy (0.867 on 2026-12-06).
+#[test]
+fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
+    let (_serve, url) = spawn(
+        "serve",
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--kv-tokens",
+            "4096",
+            "--context-length",
+            "auto",
+        ],
+        " at ",
+    );
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lm_eval_check.py");
+    let task = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/lm_eval/capitals_and_facts.jsonl"
+    );
+    let output = std::process::Command::new("python3")
+        .args([script, &base_url(&url), MODEL, task])
+        .current_dir(std::env::temp_dir())
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("lm-eval check passed"),
+        "lm-eval check failed (scripts/test-deps.sh installs lm_eval)\nstdout:\n{stdout}\n\
+         stderr:\n{stderr}"
+    );
+    println!("{stdout}");
+}

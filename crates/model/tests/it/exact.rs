@@ -69,7 +69,7 @@ fn first_step_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
         table: &table,
         tokens: prompt,
         start_pos: 0,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     let logits = model.forward(&mut pool, &[step]).unwrap()[0].to_vec();
     pool.release(table).unwrap();
@@ -194,7 +194,7 @@ fn ggml_exact_logits_do_not_depend_on_the_batch() {
         table,
         tokens,
         start_pos,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     model.forward(&mut pool, &[step(&table_a, a, 0)]).unwrap();
     model.forward(&mut pool, &[step(&table_b, b, 0)]).unwrap();

@@ -196,7 +196,7 @@ fn out_of_range_token_is_refused_before_any_kv_write_and_leaks_nothing() {
         table: &table,
         tokens: &tokens,
         start_pos: 0,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match common::model().forward(&mut pool, &[step]) {
         Err(Error::TokenOutOfRange {

@@ -28,7 +28,7 @@ fn prefill(pool: &mut PagePool, table: &PageTable, prompt: &[u32]) -> Vec<f32> {
         table,
         tokens: prompt,
         start_pos: 0,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     let logits = common::model()
         .forward(pool, &[step])
@@ -43,7 +43,7 @@ fn decode(pool: &mut PagePool, table: &PageTable, token: u32, pos: usize) -> Vec
         table,
         tokens: &[token],
         start_pos: pos,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     common::model()
         .forward(pool, &[step])
@@ -104,7 +104,7 @@ fn stale_table_of_a_released_request_is_refused_and_writes_nothing_into_the_new_
             table: &a_stale,
             tokens,
             start_pos,
-            want_logits: true,
+            logits: model::LogitRows::Last,
         };
         match refused(&mut pool, &[step]) {
             Error::Kv(kv::Error::StaleGeneration {
@@ -162,7 +162,7 @@ fn forged_table_naming_the_victims_pages_and_generations_under_another_owner_is_
             table,
             tokens: &[token],
             start_pos,
-            want_logits: true,
+            logits: model::LogitRows::Last,
         };
         match refused(&mut pool, &[step]) {
             Error::Kv(kv::Error::OwnerMismatch {
@@ -198,7 +198,7 @@ fn table_naming_a_released_or_unknown_page_is_refused() {
         table: &c_kept,
         tokens: &[token],
         start_pos: 5,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match refused(&mut pool, &[step]) {
         // Release leaves the generation as it was and clears the owner.
@@ -228,7 +228,7 @@ fn table_naming_a_released_or_unknown_page_is_refused() {
         table: &unknown,
         tokens: &[token],
         start_pos: 0,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match refused(&mut pool, &[step]) {
         Error::Kv(kv::Error::UnknownPage { page }) => assert_eq!(page, beyond),
@@ -265,7 +265,7 @@ fn two_tables_sharing_a_page_in_one_batch_are_refused_with_duplicate_page() {
                 } else {
                     pos
                 },
-                want_logits: true,
+                logits: model::LogitRows::Last,
             },
             SeqStep {
                 table: second,
@@ -275,7 +275,7 @@ fn two_tables_sharing_a_page_in_one_batch_are_refused_with_duplicate_page() {
                 } else {
                     pos
                 },
-                want_logits: true,
+                logits: model::LogitRows::Last,
             },
         ];
         match refused(&mut pool, &steps) {
@@ -289,14 +289,14 @@ fn two_tables_sharing_a_page_in_one_batch_are_refused_with_duplicate_page() {
         table: &other,
         tokens: &token,
         start_pos: 0,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     let other_before = snapshot(&mut pool, &other);
     let dup = |table| SeqStep {
         table,
         tokens: &token,
         start_pos: pos,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match refused(&mut pool, &[innocent, dup(&b), dup(&b)]) {
         Error::Kv(kv::Error::DuplicatePage { .. }) => {}
@@ -357,19 +357,19 @@ fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
             table: &tables[0],
             tokens: &prompts[0],
             start_pos: 0,
-            want_logits: true,
+            logits: model::LogitRows::Last,
         },
         SeqStep {
             table: &tables[2],
             tokens: &filler,
             start_pos: 0,
-            want_logits: false,
+            logits: model::LogitRows::None,
         },
         SeqStep {
             table: &tables[1],
             tokens: &prompts[1],
             start_pos: 0,
-            want_logits: true,
+            logits: model::LogitRows::Last,
         },
     ];
     let batched_prefill = common::model()
@@ -380,19 +380,19 @@ fn batched_step_gives_each_sequence_the_logits_it_gets_alone() {
             table: &tables[0],
             tokens: &next[0..1],
             start_pos: prompts[0].len(),
-            want_logits: true,
+            logits: model::LogitRows::Last,
         },
         SeqStep {
             table: &tables[2],
             tokens: &next[0..1],
             start_pos: filler.len(),
-            want_logits: false,
+            logits: model::LogitRows::None,
         },
         SeqStep {
             table: &tables[1],
             tokens: &next[1..2],
             start_pos: prompts[1].len(),
-            want_logits: true,
+            logits: model::LogitRows::Last,
         },
     ];
     let batched_decode = common::model()
@@ -465,7 +465,7 @@ fn fused_decode_step_gives_each_sequence_its_logits_alone_bit_for_bit() {
                     table: &tables[i],
                     tokens: &next[i..i + 1],
                     start_pos: prompts[i].len(),
-                    want_logits: true,
+                    logits: model::LogitRows::Last,
                 })
                 .collect();
             let logits = common::model()
@@ -520,7 +520,7 @@ fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv
         table: &b,
         tokens: &[next],
         start_pos: a_prompt.len(),
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match common::model().forward(&mut pool, &[step]) {
         Err(Error::UnwrittenPositions { start_pos, written }) => {
@@ -546,7 +546,7 @@ fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv
         table: &b,
         tokens: &[next],
         start_pos: b_len + 2,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     match common::model().forward(&mut pool, &[step]) {
         Err(Error::UnwrittenPositions { start_pos, written }) => {

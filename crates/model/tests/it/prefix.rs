@@ -24,7 +24,7 @@ fn prefill(
             table,
             tokens: &tokens[done..done + count],
             start_pos: start + done,
-            want_logits: false,
+            logits: model::LogitRows::None,
         }];
         let neighbour_token;
         if let Some((other, token, position)) = neighbour {
@@ -33,7 +33,7 @@ fn prefill(
                 table: other,
                 tokens: &neighbour_token,
                 start_pos: position,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             });
         }
         model().forward(pool, &steps).expect("forward");
@@ -112,7 +112,7 @@ fn a_step_that_would_write_into_a_shared_page_is_refused() {
         table: &second,
         tokens: &prompt[1..3],
         start_pos: 1,
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     let error = model().forward(&mut pool, &[step]).unwrap_err();
     assert!(
@@ -132,7 +132,7 @@ fn a_step_that_would_write_into_a_shared_page_is_refused() {
         table: &second,
         tokens: &prompt[prompt.len() - 1..],
         start_pos: prompt.len(),
-        want_logits: true,
+        logits: model::LogitRows::Last,
     };
     model()
         .forward(&mut pool, &[step])

@@ -196,7 +196,7 @@ fn teacher_forced(index: usize) -> &'static [Forced] {
                 table: &table,
                 tokens,
                 start_pos,
-                want_logits: true,
+                logits: model::LogitRows::Last,
             };
             common::model().forward(pool, &[step]).unwrap()[0].to_vec()
         };

@@ -65,7 +65,8 @@ fn the_request_schemas_carry_this_deployments_limits() {
             max_tokens["minimum"].as_i64(),
             max_tokens["maximum"].as_i64()
         ),
-        (Some(1), Some(511))
+        // 0 only with echo (the prompt alone).
+        (Some(0), Some(511))
     );
     let token_ids = &schemas["Prompt"]["oneOf"][2]["items"];
     assert_eq!(

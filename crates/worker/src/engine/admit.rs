@@ -129,8 +129,10 @@ impl Engine {
                 // placeholder and let `Done` claim the whole prompt.
                 needed = 1;
             }
+            // A request that wants its prompt's log-probabilities computes every token.
+            let scores_prompt = request.submit.sampling.prompt_logprobs;
             let prefix = match request.submit.prefix_cache {
-                Some(partition) if !placeholder => {
+                Some(partition) if !placeholder && !scores_prompt => {
                     let prompt = &request.submit.prompt;
                     let kv_tokens = &prompt[..prompt.len() - 1];
                     let owner = request.owner;

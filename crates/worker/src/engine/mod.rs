@@ -171,9 +171,19 @@ struct DecodeState {
     generated: Vec<u32>,
     /// Log-probabilities of the tokens sampled since the last `Text` sent (when asked).
     logprobs: Vec<TokenLogprob>,
+    /// Structured output: the grammar state, compiled at the first step.
+    constraint: Constrained,
     /// The token the next step feeds, and its position.
     next_input: u32,
     position: usize,
+}
+
+/// A request's structured-output state.
+enum Constrained {
+    Free,
+    /// The shape as the `Submit` carries it, not compiled yet.
+    Pending(String),
+    Active(Box<grammar::Constraint>),
 }
 
 struct LinkEntry {
@@ -222,6 +232,9 @@ pub struct Engine {
     frames_rejected: u64,
     auth_failures: u64,
     last_stats: Option<Stats>,
+    /// The model's tokens for the grammar engine: built at the first structured-output
+    /// request (a fraction of a second), then shared by all.
+    vocabulary: Option<grammar::Vocabulary>,
 }
 
 /// How long an idle engine sleeps between timeout checks.
@@ -261,6 +274,7 @@ impl Engine {
             frames_rejected: 0,
             auth_failures: 0,
             last_stats: None,
+            vocabulary: None,
         }
     }
 
@@ -501,6 +515,7 @@ fn frame_name(frame: &Frame) -> &'static str {
         Frame::Admitted { .. } => "Admitted",
         Frame::Started { .. } => "Started",
         Frame::Text { .. } => "Text",
+        Frame::PromptLogprobs { .. } => "PromptLogprobs",
         Frame::Finished { .. } => "Finished",
         Frame::Failed { .. } => "Failed",
         Frame::PoolStats { .. } => "PoolStats",

@@ -56,6 +56,10 @@ impl Engine {
         }
         match self.pool.allocate_with_prefix(owner, prefix, needed) {
             Ok(table) => Some(table),
+            // An evicted page a transport still reads (a prefill's published prompt page
+            // whose frame is still going out) is free but not reusable until it lets go
+            // (`PagePool::reclaim_returned`): wait for it, as for any page.
+            Err(kv::Error::OutOfPages { .. }) => None,
             Err(error) => panic!("pages were evicted for this allocation: {error}"),
         }
     }

@@ -1,10 +1,10 @@
 //! The batched forward step: one token for every decoding request plus prompt chunks for
 //! prefilling ones, then sampling, and the end of a prefill or a decode.
 
-use super::{DecodeState, Engine, Key, Phase, Request, Stage};
+use super::{Constrained, DecodeState, Engine, Key, Phase, Request, Stage};
 use kv::RequestId;
-use model::{SamplingParams, SeqStep};
-use transfer::{Failure, Finish, Frame, Plan, Submit, TokenLogprob};
+use model::{LogitRows, Logits, SamplingParams, SeqStep};
+use transfer::{Failure, Finish, Frame, Plan, Submit, TokenLogprob, MAX_TEXT_LOGPROBS};
 
 impl Engine {
     pub(super) fn step(&mut self) {
@@ -16,7 +16,7 @@ impl Engine {
             ..
         } = self;
         let mut decoding: Vec<(u64, Key, SeqStep)> = Vec::new();
-        // (seq, key, table, prompt, done, target) for each prefilling request.
+        // (seq, key, table, submit, done, target) for each prefilling request.
         let mut prefilling = Vec::new();
         for (key, request) in requests.iter() {
             let Phase::Admitted { table, stage } = &request.phase else {
@@ -28,13 +28,13 @@ impl Engine {
                         table,
                         tokens: std::slice::from_ref(&state.next_input),
                         start_pos: state.position,
-                        want_logits: true,
+                        logits: model::LogitRows::Last,
                     };
                     decoding.push((request.seq, *key, step));
                 }
                 Stage::Prefilling { done, target, .. } => {
-                    let prompt = &request.submit.prompt;
-                    prefilling.push((request.seq, *key, table, prompt, *done, *target));
+                    let submit = &request.submit;
+                    prefilling.push((request.seq, *key, table, submit, *done, *target));
                 }
                 Stage::Receiving { .. } | Stage::Sending { .. } => {}
             }
@@ -47,20 +47,25 @@ impl Engine {
         decoding.truncate(config.max_batch);
         let mut budget = config.step_tokens.saturating_sub(decoding.len()).max(1);
         let mut steps: Vec<SeqStep> = decoding.iter().map(|row| row.2).collect();
-        // (key, token count) for each prefill row.
-        let mut chunks: Vec<(Key, usize)> = Vec::new();
-        for &(_, key, table, prompt, done, target) in &prefilling {
+        // (key, token count, prompt log-probabilities' top count) for each prefill row.
+        let mut chunks: Vec<(Key, usize, Option<u8>)> = Vec::new();
+        for &(_, key, table, submit, done, target) in &prefilling {
             if budget == 0 {
                 break;
             }
             let count = (target - done).min(budget);
             budget -= count;
-            chunks.push((key, count));
+            let sampling = &submit.sampling;
+            let scored = sampling.logprobs.filter(|_| sampling.prompt_logprobs);
+            chunks.push((key, count, scored));
             steps.push(SeqStep {
                 table,
-                tokens: &prompt[done..done + count],
+                tokens: &submit.prompt[done..done + count],
                 start_pos: done,
-                want_logits: false,
+                logits: match scored {
+                    Some(_) => LogitRows::Every,
+                    None => LogitRows::None,
+                },
             });
         }
         if let Some(delay) = config.faults.step_delay() {
@@ -71,7 +76,7 @@ impl Engine {
         let logits = match result {
             Ok(logits) => logits,
             Err(error) => {
-                let keys = decoding.into_iter().chain(chunks.iter().map(|c| c.0));
+                let keys = decoding.iter().copied().chain(chunks.iter().map(|c| c.0));
                 self.step_failed(&error, keys.collect());
                 return;
             }
@@ -79,7 +84,15 @@ impl Engine {
         for (&key, logits) in decoding.iter().zip(&logits) {
             self.sampled(key, logits);
         }
-        for &(key, count) in &chunks {
+        // The prompt rows' logits follow the decoding rows', in chunk order.
+        let mut row = decoding.len();
+        for &(key, count, scored) in &chunks {
+            if let Some(top) = scored {
+                self.prompt_scored(key, &logits, row, count, top);
+                row += count;
+            }
+        }
+        for &(key, count, _) in &chunks {
             let Some(Request {
                 phase:
                     Phase::Admitted {
@@ -151,6 +164,51 @@ impl Engine {
         }
     }
 
+    /// Sends the log-probabilities of the prompt tokens a chunk's `count` logit rows (from
+    /// `first_row`) predict: the chunk's row for prompt position p scores token p + 1.
+    fn prompt_scored(
+        &mut self,
+        key: Key,
+        logits: &Logits,
+        first_row: usize,
+        count: usize,
+        top: u8,
+    ) {
+        let Some(Request {
+            submit,
+            phase:
+                Phase::Admitted {
+                    stage: Stage::Prefilling { done, .. },
+                    ..
+                },
+            ..
+        }) = self.requests.get(&key)
+        else {
+            return;
+        };
+        // `done` has not moved past this chunk yet.
+        let start = *done;
+        let entries = (0..count)
+            .map(|i| {
+                let token = submit.prompt[start + i + 1];
+                let (logprob, top) = model::logprobs(&logits[first_row + i], token, top.into());
+                TokenLogprob {
+                    token,
+                    logprob,
+                    top,
+                }
+            })
+            .collect::<Vec<_>>();
+        for (n, part) in entries.chunks(MAX_TEXT_LOGPROBS).enumerate() {
+            let frame = Frame::PromptLogprobs {
+                request: key.1,
+                first: (start + 1 + n * MAX_TEXT_LOGPROBS) as u32,
+                logprobs: part.to_vec(),
+            };
+            self.send(key.0, frame);
+        }
+    }
+
     fn sampled(&mut self, key: Key, logits: &[f32]) {
         let eos = self.tokenizer.eos_id();
         let Some(Request {
@@ -165,7 +223,14 @@ impl Engine {
         else {
             return;
         };
-        let token = state.sampler.sample(logits);
+        let token = match constrained_sample(&mut self.vocabulary, &self.tokenizer, state, logits) {
+            Ok(token) => token,
+            Err(error) => {
+                let message = format!("structured output failed: {error}");
+                self.end(key, Err((Failure::BadRequest, message)));
+                return;
+            }
+        };
         let (shown, finish) = if token == eos && !submit.ignore_eos {
             (String::new(), Some(Finish::Stop))
         } else {
@@ -204,6 +269,32 @@ impl Engine {
     }
 }
 
+/// Samples the next token, within the request's grammar if it has one (the model's own
+/// scores, for logprobs, stay unmasked).
+fn constrained_sample(
+    vocabulary: &mut Option<grammar::Vocabulary>,
+    tokenizer: &gguf::Tokenizer,
+    state: &mut DecodeState,
+    logits: &[f32],
+) -> Result<u32, String> {
+    if let Constrained::Pending(wire) = &state.constraint {
+        let shape = grammar::Shape::from_wire(wire)?;
+        let vocabulary = match vocabulary {
+            Some(vocabulary) => vocabulary,
+            None => vocabulary.insert(grammar::Vocabulary::new(tokenizer)?),
+        };
+        state.constraint = Constrained::Active(Box::new(vocabulary.constraint(&shape)?));
+    }
+    let Constrained::Active(constraint) = &mut state.constraint else {
+        return Ok(state.sampler.sample(logits));
+    };
+    let mut masked = logits.to_vec();
+    constraint.mask(&mut masked)?;
+    let token = state.sampler.sample(&masked);
+    constraint.accept(token)?;
+    Ok(token)
+}
+
 impl DecodeState {
     /// The state a request starts decoding in: its first step feeds the prompt's last token.
     pub(super) fn new(submit: &Submit) -> DecodeState {
@@ -226,6 +317,10 @@ impl DecodeState {
             pending_bytes: Vec::new(),
             generated: Vec::new(),
             logprobs: Vec::new(),
+            constraint: match &requested.constraint {
+                Some(shape) => Constrained::Pending(shape.clone()),
+                None => Constrained::Free,
+            },
             next_input: submit.prompt[prompt_tokens - 1],
             position: prompt_tokens - 1,
         }
