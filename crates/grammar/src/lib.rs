@@ -22,12 +22,24 @@ pub enum Shape {
 }
 
 impl Shape {
-    /// The schema llguidance compiles.
+    /// The schema llguidance compiles. Unless the schema says otherwise (its own
+    /// `x-guidance`), the JSON is written on one line with OpenAI's separators: free
+    /// whitespace lets a small model pad its answer with blank lines until `max_tokens`.
     fn schema(&self) -> Value {
-        match self {
+        let mut schema = match self {
             Shape::JsonObject => serde_json::json!({"type": "object"}),
             Shape::JsonSchema(schema) => schema.clone(),
+        };
+        if let Some(object) = schema.as_object_mut() {
+            object.entry("x-guidance").or_insert_with(|| {
+                serde_json::json!({
+                    "whitespace_flexible": false,
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                })
+            });
         }
+        schema
     }
 
     /// The text a `Submit` carries: the schema, or "" for any object.

@@ -49,7 +49,7 @@ fn an_object_must_open_with_a_brace_and_may_end_only_once_closed() {
             "token {id} {text:?} cannot open an object"
         );
     }
-    for token in tokenizer().encode("{\"a\": 1}", false) {
+    for token in tokenizer().encode("{\"a\": 1, \"b\": [2, 3]}", false) {
         assert!(allowed(&mut constraint).contains(&token), "token {token}");
         constraint.accept(token).expect("valid");
     }
@@ -57,6 +57,24 @@ fn an_object_must_open_with_a_brace_and_may_end_only_once_closed() {
         allowed(&mut constraint).contains(&eos),
         "a whole object may end"
     );
+}
+
+#[test]
+fn the_json_is_written_on_one_line_unless_the_schema_says_otherwise() {
+    let newline = tokenizer().encode("\n", false)[0];
+    let open = tokenizer().encode("{", false)[0];
+    let mut compact = vocabulary()
+        .constraint(&Shape::JsonObject)
+        .expect("compiles");
+    compact.accept(open).expect("valid");
+    assert!(!allowed(&mut compact).contains(&newline));
+    let flexible =
+        serde_json::json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
+    let mut loose = vocabulary()
+        .constraint(&Shape::JsonSchema(flexible))
+        .expect("compiles");
+    loose.accept(open).expect("valid");
+    assert!(allowed(&mut loose).contains(&newline));
 }
 
 #[test]
