@@ -596,20 +596,6 @@ fn top_logprobs(top: i64, param: &'static str) -> Result<u8, ApiError> {
     }
 }
 
-/// A field we know and whose value we cannot serve yet.
-fn not_yet(param: impl Into<std::borrow::Cow<'static, str>>) -> ApiError {
-    let param = param.into();
-    let what = match param.as_ref() {
-        "tools" => "tool calls are",
-        "best_of" => "best_of (the best of several samples) is",
-        _ => "tool messages are",
-    };
-    ApiError::invalid(
-        format!("{param}: {what} not supported yet; leave it out"),
-        param,
-    )
-}
-
 /// OpenAI answers a field it does not know with 400 naming it; so do we.
 pub(crate) fn refuse_unknown(unknown: &Map<String, Value>, prefix: &str) -> Result<(), ApiError> {
     match unknown.keys().next() {
@@ -709,7 +695,10 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiErr
         ));
     }
     if request.best_of.is_some_and(|n| n != 1) {
-        return Err(not_yet("best_of"));
+        return Err(ApiError::invalid(
+            "best_of: best_of (the best of several samples) is not supported yet; leave it out",
+            "best_of",
+        ));
     }
     if request.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid(

@@ -414,15 +414,12 @@ impl Run {
     /// Prompt scores from position `first` (1 is the second prompt token); any outside the
     /// prompt, or already had, are dropped.
     fn note_prompt_scores(&mut self, first: u32, logprobs: Vec<TokenLogprob>) {
+        let Some(base) = (first as usize).checked_sub(1) else {
+            return;
+        };
         for (i, entry) in logprobs.into_iter().enumerate() {
-            let slot = (first as usize)
-                .checked_sub(1)
-                .and_then(|base| base.checked_add(i))
-                .and_then(|index| self.prompt_scores.get(index));
-            if matches!(slot, Some(None)) {
-                let scored = self.scored(entry);
-                let index = first as usize - 1 + i;
-                self.prompt_scores[index] = Some(scored);
+            if matches!(self.prompt_scores.get(base + i), Some(None)) {
+                self.prompt_scores[base + i] = Some(self.scored(entry));
                 self.prompt_scored += 1;
             }
         }
@@ -520,10 +517,7 @@ impl Run {
 
     /// The calls a finished answer makes, when the request has tools and the answer is one.
     pub(crate) fn tool_calls(&self, text: &str, finish: FinishReason) -> Option<Vec<ToolCall>> {
-        let tools = self.job.tools.as_ref()?;
-        (finish == FinishReason::Stop)
-            .then(|| crate::tools::calls_in(text, tools))
-            .flatten()
+        self.job.tools.as_ref()?.calls(text, finish)
     }
 
     /// How the answer's tool calls are read, when the request has tools (a stream then holds

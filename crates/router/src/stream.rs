@@ -7,6 +7,7 @@
 
 use crate::responses::{FinishReason, Head, Piece, Usage};
 use crate::run::{Run, Step};
+use crate::tools::ToolUse;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{self, BoxStream, SelectAll, Stream, StreamExt};
@@ -31,10 +32,9 @@ struct StreamState {
     over: bool,
     /// Characters of text sent so far, per choice (completions' `text_offset`).
     sent_chars: HashMap<u32, usize>,
-    /// With tools: each choice's text, held until its end shows whether it is a call.
-    held: Option<HashMap<u32, String>>,
-    /// The runs' tool reading, to turn a held text into calls.
-    tools: Option<crate::tools::ToolUse>,
+    /// With tools: how the runs' answers are read as calls, and each choice's text, held
+    /// until its end shows whether it is a call.
+    held: Option<(ToolUse, HashMap<u32, String>)>,
 }
 
 pub(crate) fn response(runs: Vec<Run>) -> Response {
@@ -43,7 +43,7 @@ pub(crate) fn response(runs: Vec<Run>) -> Response {
     };
     let head = first.head();
     let include_usage = first.include_usage();
-    let tools = first.tool_use();
+    let held = first.tool_use().map(|tools| (tools, HashMap::new()));
     let queued = runs
         .iter()
         .map(|run| data(&head.chunk(run.index(), Piece::Opening)))
@@ -57,8 +57,7 @@ pub(crate) fn response(runs: Vec<Run>) -> Response {
         queued,
         over: false,
         sent_chars: HashMap::new(),
-        held: tools.as_ref().map(|_| HashMap::new()),
-        tools,
+        held,
     };
     Sse::new(events(state)).into_response()
 }
@@ -95,7 +94,7 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
             let (index, first_of_prompt, step) = state.steps.next().await?;
             match step {
                 Step::Text(text, _) if state.held.is_some() => {
-                    let held = state.held.as_mut().expect("checked");
+                    let (_, held) = state.held.as_mut().expect("checked");
                     held.entry(index).or_default().push_str(&text);
                 }
                 Step::Text(text, scored) => {
@@ -107,13 +106,9 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
                     state.queued.push_back(data(&piece));
                 }
                 Step::Finished(mut finish, usage) => {
-                    if let Some(held) = state.held.as_mut() {
+                    if let Some((tools, held)) = state.held.as_mut() {
                         let text = held.remove(&index).unwrap_or_default();
-                        let tools = state.tools.as_ref().expect("held only with tools");
-                        let calls = (finish == FinishReason::Stop)
-                            .then(|| crate::tools::calls_in(&text, tools))
-                            .flatten();
-                        let piece = match &calls {
+                        let piece = match &tools.calls(&text, finish) {
                             Some(calls) => {
                                 finish = FinishReason::ToolCalls;
                                 state.head.chunk(index, Piece::ToolCalls(calls))

@@ -7,6 +7,7 @@
 //! and their results go back into the conversation as that JSON and as `tool` turns.
 
 use crate::error::ApiError;
+use crate::responses::FinishReason;
 use serde::Serialize;
 use serde_json::{json, Map, Value};
 use utoipa::ToSchema;
@@ -222,6 +223,16 @@ pub fn render_calls(calls: &[Value], field: &str) -> Result<String, ApiError> {
         text.push_str(&json!({"name": name, "arguments": arguments}).to_string());
     }
     Ok(text)
+}
+
+impl ToolUse {
+    /// The calls a finished answer makes: only one that ended on its own (not cut by
+    /// `max_tokens`) can be a call.
+    pub fn calls(&self, text: &str, finish: FinishReason) -> Option<Vec<ToolCall>> {
+        (finish == FinishReason::Stop)
+            .then(|| calls_in(text, self))
+            .flatten()
+    }
 }
 
 /// The calls an answer makes: a JSON object naming one of the tools, with an arguments
