@@ -112,6 +112,22 @@ impl Vocabulary {
     }
 }
 
+/// The tokens a grammar allows at one step.
+pub struct Mask {
+    allowed: toktrie::SimpleVob,
+}
+
+impl Mask {
+    /// Sets the logit of every token not allowed to -infinity.
+    pub fn apply(&self, logits: &mut [f32]) {
+        for (id, logit) in logits.iter_mut().enumerate() {
+            if !self.allowed.is_allowed(id as u32) {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// One answer's grammar state.
 pub struct Constraint {
     matcher: Matcher,
@@ -121,6 +137,13 @@ impl Constraint {
     /// Sets the logit of every token the grammar does not allow next to -infinity (the
     /// end-of-sequence token is allowed once the document is complete).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        self.next_mask()?.apply(logits);
+        Ok(())
+    }
+
+    /// The tokens the grammar allows next. It reads only the tokens accepted so far, so it
+    /// can be computed while the model computes the logits it will be applied to.
+    pub fn next_mask(&mut self) -> Result<Mask, String> {
         let allowed = self
             .matcher
             .compute_mask_or_eos()
@@ -128,12 +151,7 @@ impl Constraint {
         if allowed.num_set() == 0 {
             return Err("the grammar allows no token".into());
         }
-        for (id, logit) in logits.iter_mut().enumerate() {
-            if !allowed.is_allowed(id as u32) {
-                *logit = f32::NEG_INFINITY;
-            }
-        }
-        Ok(())
+        Ok(Mask { allowed })
     }
 
     /// Takes the token chosen.

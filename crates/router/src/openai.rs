@@ -5,8 +5,7 @@
 //! No field is silently ignored. Each one a body may carry is honoured, or accepted as a
 //! documented no-op where ignoring it cannot change the answer (`user`, `metadata`, `store`,
 //! `service_tier`, `parallel_tool_calls`), or refused with 400 naming it, as OpenAI refuses a
-//! field it does not know. The values we do not support yet (best_of > 1, `echo` with
-//! `stream`) are refused the same way.
+//! field it does not know.
 
 use crate::error::ApiError;
 use crate::tools;
@@ -43,8 +42,9 @@ impl Endpoint {
 /// The body of `POST /v1/chat/completions`. A field not listed here gets 400.
 #[derive(Deserialize, ToSchema)]
 pub struct ChatRequest {
-    /// The served model's id (`GET /v1/models`).
-    model: String,
+    /// The served model's id (`GET /v1/models`). May be left out: the one model served
+    /// answers (as vLLM and llama.cpp's server do).
+    model: Option<String>,
     #[schema(min_items = 1)]
     messages: Vec<ChatMessageIn>,
     #[serde(flatten)]
@@ -87,8 +87,9 @@ pub struct ChatRequest {
 /// The body of `POST /v1/completions`. A field not listed here gets 400.
 #[derive(Deserialize, ToSchema)]
 pub struct CompletionRequest {
-    /// The served model's id (`GET /v1/models`).
-    model: String,
+    /// The served model's id (`GET /v1/models`). May be left out: the one model served
+    /// answers (as vLLM and llama.cpp's server do).
+    model: Option<String>,
     prompt: Prompt,
     #[serde(flatten)]
     common: Common,
@@ -98,9 +99,12 @@ pub struct CompletionRequest {
     logprobs: Option<i64>,
     /// Answer with the prompt's text before the completion's; with `logprobs`, the prompt
     /// tokens' log-probabilities too (the first has none). With `max_tokens: 0`, only the
-    /// prompt. Not with `stream`.
+    /// prompt.
     echo: Option<bool>,
-    #[schema(minimum = 1, maximum = 1)]
+    /// Sample this many completions per prompt and answer with the `n` whose tokens have the
+    /// highest mean log-probability (at least `n`; not with `stream` when more than `n`).
+    /// Usage counts every completion sampled.
+    #[schema(minimum = 1, maximum = 16)]
     best_of: Option<i64>,
     /// Only empty: insertion (text after the completion) is not supported.
     #[schema(max_length = 0)]
@@ -259,11 +263,13 @@ fn sampling_seed(requested: Option<i64>) -> u64 {
 #[derive(Clone, Debug)]
 pub struct Job {
     pub endpoint: Endpoint,
-    /// The choice this job answers (OpenAI's `index`): prompt `p`'s choice `i` is
-    /// `p * n + i`.
+    /// The run this job is: prompt `p`'s run `i` is `p * best_of + i`. Without `best_of`
+    /// that is the choice it answers (OpenAI's `index`).
     pub index: u32,
     /// Choices per prompt (`n`).
     pub n: u32,
+    /// Runs per prompt, of which the `n` best are answered (`n` unless `best_of` is more).
+    pub best_of: u32,
     pub prompt: Vec<u32>,
     pub max_tokens: u32,
     pub sampling: Sampling,
@@ -277,6 +283,9 @@ pub struct Job {
     pub echo: bool,
     /// Echo only: the one token generated is not shown (`max_tokens: 0`).
     pub hide_completion: bool,
+    /// The client asked for `logprobs` (ranking for `best_of` asks the workers for them
+    /// without showing them).
+    pub show_logprobs: bool,
     /// The tools the answer may call: an answer that is a call becomes `tool_calls`.
     pub tools: Option<tools::ToolUse>,
 }
@@ -415,7 +424,7 @@ impl ToSchema for Content {}
 pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
     let request: ChatRequest = parse_json(body)?;
     refuse_unknown(&request.unknown, "")?;
-    check_model(&request.model, limits)?;
+    check_model(request.model.as_deref().unwrap_or(limits.model_id), limits)?;
     let logprobs = match (request.logprobs.unwrap_or(false), request.top_logprobs) {
         (false, None) => None,
         (false, Some(_)) => {
@@ -459,6 +468,7 @@ pub fn parse_chat(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
     let report = Report {
         logprobs,
         echo: false,
+        best_of: None,
         constraint,
         tools: tool_use,
     };
@@ -682,24 +692,12 @@ fn compile_shape(shape: Shape, limits: &Limits, param: &'static str) -> Result<S
 pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiError> {
     let request: CompletionRequest = parse_json(body)?;
     refuse_unknown(&request.unknown, "")?;
-    check_model(&request.model, limits)?;
+    check_model(request.model.as_deref().unwrap_or(limits.model_id), limits)?;
     let logprobs = request
         .logprobs
         .map(|top| top_logprobs(top, "logprobs"))
         .transpose()?;
     let echo = request.echo.unwrap_or(false);
-    if echo && request.common.stream == Some(true) {
-        return Err(ApiError::invalid(
-            "echo: echo with stream is not supported yet; leave one out",
-            "echo",
-        ));
-    }
-    if request.best_of.is_some_and(|n| n != 1) {
-        return Err(ApiError::invalid(
-            "best_of: best_of (the best of several samples) is not supported yet; leave it out",
-            "best_of",
-        ));
-    }
     if request.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid(
             "suffix is not supported: this model does not fill in the middle",
@@ -733,6 +731,7 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiErr
     let report = Report {
         logprobs,
         echo,
+        best_of: request.best_of,
         constraint: None,
         tools: None,
     };
@@ -808,25 +807,49 @@ fn build_jobs(
     limits: &Limits,
 ) -> Result<Vec<Job>, ApiError> {
     let n = common.n.unwrap_or(1);
-    let choices = (n as i128).saturating_mul(prompts.len() as i128);
-    if n < 1 || choices > MAX_CHOICES as i128 || prompts.is_empty() {
-        let param = if prompts.len() > 1 { "prompt" } else { "n" };
+    let best_of = report.best_of.unwrap_or(n);
+    let runs = (best_of as i128).saturating_mul(prompts.len() as i128);
+    let (what, count) = match report.best_of {
+        Some(_) => ("best_of", best_of),
+        None => ("n", n),
+    };
+    if n < 1 || best_of < 1 || runs > MAX_CHOICES as i128 || prompts.is_empty() {
+        let param = if prompts.len() > 1 { "prompt" } else { what };
         return Err(ApiError::invalid(
             format!(
-                "n must be at least 1, and n times the number of prompts at most \
-                 {MAX_CHOICES} (got n = {n} for {} prompts)",
+                "{what} must be at least 1, and {what} times the number of prompts at most \
+                 {MAX_CHOICES} (got {what} = {count} for {} prompts)",
                 prompts.len()
             ),
             param,
         ));
     }
-    let mut jobs = Vec::with_capacity(choices as usize);
+    if best_of < n {
+        return Err(ApiError::invalid(
+            format!("best_of must be at least n (got best_of = {best_of}, n = {n})"),
+            "best_of",
+        ));
+    }
+    let ranked = best_of > n;
+    if ranked && common.stream == Some(true) {
+        return Err(ApiError::invalid(
+            "best_of greater than n cannot be streamed: the best are known only at the end; \
+             leave out stream or best_of",
+            "best_of",
+        ));
+    }
+    let mut jobs = Vec::with_capacity(runs as usize);
     for prompt in prompts {
-        let job = build_job(endpoint, prompt, max_tokens, &report, &common, limits)?;
-        for choice in 0..n as u32 {
+        let mut job = build_job(endpoint, prompt, max_tokens, &report, &common, limits)?;
+        if ranked {
+            // Ranking reads every sampled token's log-probability.
+            job.sampling.logprobs.get_or_insert(0);
+        }
+        for choice in 0..best_of as u32 {
             let mut job = job.clone();
             job.index = jobs.len() as u32;
             job.n = n as u32;
+            job.best_of = best_of as u32;
             job.sampling.seed = job.sampling.seed.wrapping_add(choice.into());
             jobs.push(job);
         }
@@ -839,6 +862,8 @@ fn build_jobs(
 struct Report {
     logprobs: Option<u8>,
     echo: bool,
+    /// Completions sampled per prompt, of which the best `n` are answered.
+    best_of: Option<i64>,
     /// Structured output, as the `Submit` carries it.
     constraint: Option<String>,
     /// The tools an answer may call.
@@ -929,9 +954,11 @@ fn build_job(
         tools: report.tools.clone(),
         echo: report.echo,
         hide_completion,
+        show_logprobs: report.logprobs.is_some(),
         endpoint,
         index: 0,
         n: 1,
+        best_of: 1,
         prompt,
         max_tokens: max_tokens as u32,
         sampling,

@@ -153,7 +153,7 @@ pub fn document(config: &RouterConfig, vocab_size: usize) -> Value {
     let mut document = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
     // The longest answer any request may ask for: the context less a one-token prompt.
     let max_tokens_max = config.context_length.saturating_sub(1).max(1);
-    let model = json!([config.model_id]);
+    let model = json!([config.model_id, null]);
     for request in ["ChatRequest", "CompletionRequest"] {
         set(
             &mut document,

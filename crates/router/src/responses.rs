@@ -371,8 +371,13 @@ pub enum Piece<'a> {
     /// The first event: the assistant's role (chat), empty text.
     Opening,
     /// Text, the scores of the tokens it came from, and (completions) where it starts in the
-    /// choice's text, in characters.
-    Text(&'a str, &'a [Scored], usize),
+    /// choice's text, in characters. An echoed prompt's first token comes without a score.
+    Text {
+        text: &'a str,
+        unscored_first: Option<&'a str>,
+        scored: &'a [Scored],
+        offset: usize,
+    },
     /// The choice's answer is these tool calls (chat).
     ToolCalls(&'a [ToolCall]),
     Finish(FinishReason),
@@ -466,13 +471,18 @@ impl Head {
     pub fn chunk(&self, index: u32, piece: Piece) -> Chunk {
         let (text, finish, usage) = match piece {
             Piece::Opening => (Some(""), None, None),
-            Piece::Text(text, ..) => (Some(text), None, None),
+            Piece::Text { text, .. } => (Some(text), None, None),
             Piece::ToolCalls(_) => (None, None, None),
             Piece::Finish(finish) => (None, Some(finish), None),
             Piece::Usage(usage) => (None, None, Some(usage)),
         };
         let scored = match piece {
-            Piece::Text(_, scored, offset) if self.logprobs => Some((scored, offset)),
+            Piece::Text {
+                unscored_first,
+                scored,
+                offset,
+                ..
+            } if self.logprobs => Some((unscored_first, scored, offset)),
             _ => None,
         };
         // The usage event has no choices; every other event has one.
@@ -499,7 +509,7 @@ impl Head {
                         },
                         finish_reason: finish,
                         index,
-                        logprobs: scored.map(|(scored, _)| ChatLogprobs::new(scored)),
+                        logprobs: scored.map(|(_, scored, _)| ChatLogprobs::new(scored)),
                     })
                     .into_iter()
                     .collect(),
@@ -514,8 +524,9 @@ impl Head {
                     .then(|| TextChoice {
                         finish_reason: finish,
                         index,
-                        logprobs: scored
-                            .map(|(scored, offset)| CompletionLogprobs::new(None, scored, offset)),
+                        logprobs: scored.map(|(first, scored, offset)| {
+                            CompletionLogprobs::new(first, scored, offset)
+                        }),
                         text: text.unwrap_or("").to_string(),
                     })
                     .into_iter()

@@ -10,7 +10,7 @@ use crate::responses::{
     ChatCompletion, Health, HealthStatus, ModelList, Readiness, StreamEvent, TextCompletion,
     WorkerView,
 };
-use crate::run::Run;
+use crate::run::Runs;
 use crate::server::AppState;
 use crate::tokens::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo,
@@ -96,7 +96,7 @@ async fn start(
     headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
-) -> Result<Vec<Run>, ApiError> {
+) -> Result<Runs, ApiError> {
     // Nothing runs, and the body is not read, for a caller without a valid key.
     let tenant = authenticate(state, headers)?;
     require_json(headers)?;
@@ -124,10 +124,7 @@ async fn start(
                 })?;
         admitted.push((job, permit, slot));
     }
-    admitted
-        .into_iter()
-        .map(|(job, permit, slot)| Run::submit(state.clone(), job, permit, slot))
-        .collect()
+    Runs::submit(state, admitted)
 }
 
 fn parse(state: &AppState, body: &[u8], endpoint: Endpoint) -> Result<Vec<Job>, ApiError> {

@@ -17,6 +17,7 @@ use crate::tenants::TenantPermit;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kv::{Partition, RequestId};
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,6 +42,10 @@ pub(crate) struct Run {
     prompt_scored: usize,
     /// Decode's `Finished`, held until every prompt score has come.
     held_finish: Option<(Finish, u32, u32)>,
+    /// With `echo`: the prompt is still to be said, first, once its scores have all come;
+    /// text frames that arrive before are kept in `early`, in order.
+    echo_pending: bool,
+    early: VecDeque<(Role, Frame)>,
     _permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
@@ -83,10 +88,19 @@ type PendingPrefill = (
 
 /// What the request's frames amount to, one at a time.
 pub(crate) enum Step {
-    /// Text, and the scores of the tokens it came from (when asked for).
-    Text(String, Vec<Scored>),
+    Text(Said),
     Finished(FinishReason, Usage),
     Failed(ApiError),
+}
+
+/// Text for the client: what the model wrote, or an echoed prompt.
+pub(crate) struct Said {
+    pub text: String,
+    /// The scores of the tokens it came from, when asked for.
+    pub scored: Vec<Scored>,
+    /// Set exactly for an echoed prompt: its first token, which nothing predicts, so it has no
+    /// score.
+    pub unscored_first: Option<String>,
 }
 
 impl Run {
@@ -100,10 +114,7 @@ impl Run {
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
         let tenant = permit.tenant().id;
-        // Prompt scores need every prompt token computed: no cached pages.
-        let prefix_cache = (state.config.prefix_cache
-            && permit.tenant().prefix_cache
-            && !job.sampling.prompt_logprobs)
+        let prefix_cache = uses_prefix_cache(&state, &permit, &job)
             .then(|| cache_partition(job.cache_salt.as_deref()));
         let prompt_scores = if job.sampling.prompt_logprobs {
             job.prompt.len() - 1
@@ -159,6 +170,7 @@ impl Run {
             (vec![decode], Phase::Reserving { prefill })
         };
         state.waiting.fetch_add(1, Ordering::Relaxed);
+        let job_echo = job.echo;
         Ok(Run {
             state,
             id,
@@ -171,6 +183,8 @@ impl Run {
             prompt_scores: vec![None; prompt_scores],
             prompt_scored: 0,
             held_finish: None,
+            echo_pending: job_echo,
+            early: VecDeque::new(),
             _permit: permit,
             _slot: slot,
         })
@@ -187,7 +201,7 @@ impl Run {
 
     /// Whether this run is its prompt's first choice (the one its prompt is counted for).
     pub(crate) fn first_of_prompt(&self) -> bool {
-        self.job.index.is_multiple_of(self.job.n.max(1))
+        self.job.index.is_multiple_of(self.job.best_of.max(1))
     }
 
     pub(crate) fn has_ended(&self) -> bool {
@@ -204,7 +218,7 @@ impl Run {
             endpoint: self.job.endpoint,
             id: format!("{prefix}-{:016x}", self.state.transfer_salt | self.id.0),
             model: self.state.config.model_id.clone(),
-            logprobs: self.job.sampling.logprobs.is_some(),
+            logprobs: self.job.show_logprobs,
         }
     }
 
@@ -321,10 +335,20 @@ impl Run {
     /// The next thing the client should hear.
     pub(crate) async fn next(&mut self) -> Step {
         loop {
+            if self.echo_pending && self.prompt_scored == self.prompt_scores.len() {
+                self.echo_pending = false;
+                return Step::Text(self.echo());
+            }
             if let Some(finished) = self.finish_when_scored() {
                 return finished;
             }
-            let received = if self.held_finish.is_some() {
+            let early = match self.echo_pending {
+                true => None,
+                false => self.early.pop_front(),
+            };
+            let received = if early.is_some() {
+                early
+            } else if self.held_finish.is_some() {
                 // Decode has finished; prompt scores are still on their way from prefill.
                 let wait = self.state.config.start_timeout;
                 match tokio::time::timeout(wait, self.rx.recv()).await {
@@ -350,7 +374,13 @@ impl Run {
             if role == Role::Prefill && matches!(self.phase, Phase::Streaming { .. }) {
                 continue;
             }
+            if self.echo_pending && matches!(frame, Frame::Text { .. }) {
+                self.early.push_back((role, frame));
+                continue;
+            }
             match frame {
+                // `max_tokens: 0` with `echo`: the one token generated is not shown.
+                Frame::Text { .. } if self.job.hide_completion => {}
                 Frame::Text { text, logprobs, .. } => {
                     if let Phase::Streaming { last_token } = &mut self.phase {
                         let now = Instant::now();
@@ -365,7 +395,11 @@ impl Run {
                         }
                     }
                     let scored = logprobs.into_iter().map(|e| self.scored(e)).collect();
-                    return Step::Text(text, scored);
+                    return Step::Text(Said {
+                        text,
+                        scored,
+                        unscored_first: None,
+                    });
                 }
                 Frame::Finished {
                     finish,
@@ -391,7 +425,10 @@ impl Run {
             return None;
         }
         self.held_finish = None;
-        let finish = FinishReason::from(finish);
+        let (finish, completion_tokens) = match self.job.hide_completion {
+            true => (FinishReason::Length, 0),
+            false => (FinishReason::from(finish), completion_tokens),
+        };
         self.state.metrics.inc(Counter::Requests {
             outcome: RequestOutcome::Ok,
             reason: finish.label(),
@@ -399,6 +436,21 @@ impl Run {
         self.enter(Phase::Ended(Ending::Finished));
         let usage = Usage::new(prompt_tokens, completion_tokens, self.cached_tokens);
         Some(Step::Finished(finish, usage))
+    }
+
+    /// The echoed prompt: its text, and its tokens' scores when asked for.
+    fn echo(&mut self) -> Said {
+        let tokenizer = &self.state.tokenizer;
+        let scored = std::mem::take(&mut self.prompt_scores)
+            .into_iter()
+            .flatten()
+            .collect();
+        let first = self.job.prompt[0];
+        Said {
+            text: tokenizer.decode(&self.job.prompt),
+            scored,
+            unscored_first: Some(TokenScore::new(tokenizer, first, 0.0).token),
+        }
     }
 
     /// A worker's token score as the client reads it.
@@ -429,15 +481,45 @@ impl Run {
     async fn collect(mut self) -> Result<Collected, ApiError> {
         let mut text = String::new();
         let mut scores = Vec::new();
+        let mut unscored_first = None;
+        let (mut generated_logprob, mut generated) = (0.0, 0);
         loop {
             match self.next().await {
-                Step::Text(piece, scored) => {
-                    text.push_str(&piece);
-                    scores.extend(scored);
+                Step::Text(said) => {
+                    if said.unscored_first.is_none() {
+                        generated_logprob += said
+                            .scored
+                            .iter()
+                            .map(|s| f64::from(s.chosen.logprob))
+                            .sum::<f64>();
+                        generated += said.scored.len();
+                    }
+                    text.push_str(&said.text);
+                    scores.extend(said.scored);
+                    unscored_first = unscored_first.or(said.unscored_first);
                 }
                 Step::Failed(error) => return Err(error),
-                Step::Finished(finish, usage) => {
-                    return Ok(self.collected(text, scores, finish, usage))
+                Step::Finished(mut finish, usage) => {
+                    let tool_calls = self.tool_calls(&text, finish);
+                    if tool_calls.is_some() {
+                        finish = FinishReason::ToolCalls;
+                    }
+                    if !self.job.show_logprobs {
+                        scores.clear();
+                    }
+                    return Ok(Collected {
+                        first_of_prompt: self.first_of_prompt(),
+                        mean_logprob: generated_logprob / generated.max(1) as f64,
+                        usage,
+                        choice: WholeChoice {
+                            index: self.index(),
+                            text,
+                            finish,
+                            scores,
+                            unscored_first,
+                            tool_calls,
+                        },
+                    });
                 }
             }
         }
@@ -447,74 +529,118 @@ impl Run {
 /// One choice of a non-streamed answer.
 struct Collected {
     first_of_prompt: bool,
+    /// The mean log-probability of the tokens the model generated (`best_of` ranks by it).
+    mean_logprob: f64,
     usage: Usage,
     choice: WholeChoice,
+}
+
+/// A choice that passed admission: its job, tenant permit and in-flight slot.
+pub(crate) type Admitted = (Job, TenantPermit, OwnedSemaphorePermit);
+
+/// A request's runs, one per choice: those submitted, and those held back.
+pub(crate) struct Runs {
+    state: Arc<AppState>,
+    submitted: Vec<Run>,
+    /// Choices of a prompt after its first, when the prefix cache can serve them: they are
+    /// submitted once the first has started, when its prompt pages are in the cache of every
+    /// worker it used, so each computes only the prompt's last page instead of all of it.
+    held: Vec<Admitted>,
+}
+
+impl Runs {
+    pub(crate) fn submit(state: &Arc<AppState>, admitted: Vec<Admitted>) -> Result<Runs, ApiError> {
+        let share = admitted.len() > 1
+            && admitted
+                .iter()
+                .all(|(job, permit, _)| uses_prefix_cache(state, permit, job));
+        let mut runs = Runs {
+            state: state.clone(),
+            submitted: Vec::with_capacity(admitted.len()),
+            held: Vec::new(),
+        };
+        for (job, permit, slot) in admitted {
+            if share && !job.index.is_multiple_of(job.best_of.max(1)) {
+                runs.held.push((job, permit, slot));
+            } else {
+                runs.submitted
+                    .push(Run::submit(state.clone(), job, permit, slot)?);
+            }
+        }
+        Ok(runs)
+    }
+
+    /// Every run started (I2 for each): the held ones are submitted once the others have.
+    async fn started(mut self) -> Result<Vec<Run>, ApiError> {
+        for run in &mut self.submitted {
+            run.wait_started().await?;
+        }
+        let first_held = self.submitted.len();
+        for (job, permit, slot) in std::mem::take(&mut self.held) {
+            let run = Run::submit(self.state.clone(), job, permit, slot).inspect_err(|error| {
+                self.state.metrics.inc(Counter::Requests {
+                    outcome: RequestOutcome::Error,
+                    reason: error.reason(),
+                })
+            })?;
+            self.submitted.push(run);
+        }
+        for run in &mut self.submitted[first_held..] {
+            run.wait_started().await?;
+        }
+        self.submitted.sort_by_key(Run::index);
+        Ok(self.submitted)
+    }
+}
+
+/// Whether a run may read and fill the prefix cache: the server and the tenant allow it, and
+/// it does not need every prompt token's score (those need every token computed).
+fn uses_prefix_cache(state: &AppState, permit: &TenantPermit, job: &Job) -> bool {
+    state.config.prefix_cache && permit.tenant().prefix_cache && !job.sampling.prompt_logprobs
 }
 
 /// The client's answer to a request of one run per choice: a stream or the whole answer,
 /// once every run has started (I2 for each). An error before that is the request's error
 /// status; dropping the other runs aborts them.
-pub(crate) async fn answer(mut runs: Vec<Run>) -> Result<Response, ApiError> {
-    for run in &mut runs {
-        run.wait_started().await?;
-    }
+pub(crate) async fn answer(runs: Runs) -> Result<Response, ApiError> {
+    let runs = runs.started().await?;
     if runs.first().is_some_and(|run| run.job.stream) {
         return Ok(crate::stream::response(runs));
     }
     let head = runs.first().map(Run::head).ok_or(ApiError::Internal)?;
     // The first error (nothing was sent yet, so it gets its own status) drops the others.
+    let (n, best_of) = runs
+        .first()
+        .map_or((1, 1), |run| (run.job.n, run.job.best_of));
     let choices = futures_util::future::try_join_all(runs.into_iter().map(Run::collect)).await?;
+    // Every sampled completion is counted, shown or not.
     let usage = Usage::total(choices.iter().map(|c| (c.first_of_prompt, c.usage)));
-    let choices = choices.into_iter().map(|c| c.choice).collect();
+    let choices = best_choices(choices, n, best_of);
     Ok(Json(head.whole(choices, usage)).into_response())
 }
 
-impl Run {
-    /// A finished choice's answer: with `echo`, the prompt's text and scores first; with
-    /// `max_tokens: 0`, without the one token generated.
-    fn collected(
-        &mut self,
-        mut text: String,
-        mut scores: Vec<Scored>,
-        mut finish: FinishReason,
-        mut usage: Usage,
-    ) -> Collected {
-        if self.job.hide_completion {
-            (text, finish) = (String::new(), FinishReason::Length);
-            scores.clear();
-            let cached = usage.prompt_tokens_details.cached_tokens;
-            usage = Usage::new(usage.prompt_tokens, 0, cached);
-        }
-        let mut unscored_first = None;
-        if self.job.echo {
-            let tokenizer = &self.state.tokenizer;
-            text.insert_str(0, &tokenizer.decode(&self.job.prompt));
-            let prompt_scores: Vec<Scored> = std::mem::take(&mut self.prompt_scores)
-                .into_iter()
-                .flatten()
-                .collect();
-            scores.splice(0..0, prompt_scores);
-            let first = self.job.prompt[0];
-            unscored_first = Some(TokenScore::new(tokenizer, first, 0.0).token);
-        }
-        let tool_calls = self.tool_calls(&text, finish);
-        if tool_calls.is_some() {
-            finish = FinishReason::ToolCalls;
-        }
-        Collected {
-            first_of_prompt: self.first_of_prompt(),
-            usage,
-            choice: WholeChoice {
-                index: self.index(),
-                text,
-                finish,
-                scores,
-                unscored_first,
-                tool_calls,
-            },
+/// The `n` best of each prompt's `best_of` runs (all of them, in order, when there are only
+/// `n`), by mean token log-probability, numbered as choices.
+fn best_choices(choices: Vec<Collected>, n: u32, best_of: u32) -> Vec<WholeChoice> {
+    if best_of <= n {
+        return choices.into_iter().map(|c| c.choice).collect();
+    }
+    let mut best = Vec::with_capacity(choices.len());
+    let mut choices = choices.into_iter().peekable();
+    while choices.peek().is_some() {
+        let mut runs: Vec<Collected> = choices.by_ref().take(best_of as usize).collect();
+        // Stable: of equal scores the earlier run wins.
+        runs.sort_by(|a, b| b.mean_logprob.total_cmp(&a.mean_logprob));
+        for run in runs.into_iter().take(n as usize) {
+            let mut choice = run.choice;
+            choice.index = best.len() as u32;
+            best.push(choice);
         }
     }
+    best
+}
 
+impl Run {
     /// The calls a finished answer makes, when the request has tools and the answer is one.
     pub(crate) fn tool_calls(&self, text: &str, finish: FinishReason) -> Option<Vec<ToolCall>> {
         self.job.tools.as_ref()?.calls(text, finish)

@@ -93,17 +93,22 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
             }
             let (index, first_of_prompt, step) = state.steps.next().await?;
             match step {
-                Step::Text(text, _) if state.held.is_some() => {
+                Step::Text(said) if state.held.is_some() => {
                     let (_, held) = state.held.as_mut().expect("checked");
-                    held.entry(index).or_default().push_str(&text);
+                    held.entry(index).or_default().push_str(&said.text);
                 }
-                Step::Text(text, scored) => {
+                Step::Text(said) => {
                     let offset = state.sent_chars.entry(index).or_default();
-                    let piece = state
-                        .head
-                        .chunk(index, Piece::Text(&text, &scored, *offset));
-                    *offset += text.chars().count();
-                    state.queued.push_back(data(&piece));
+                    let piece = Piece::Text {
+                        text: &said.text,
+                        unscored_first: said.unscored_first.as_deref(),
+                        scored: &said.scored,
+                        offset: *offset,
+                    };
+                    *offset += said.text.chars().count();
+                    state
+                        .queued
+                        .push_back(data(&state.head.chunk(index, piece)));
                 }
                 Step::Finished(mut finish, usage) => {
                     if let Some((tools, held)) = state.held.as_mut() {
@@ -113,7 +118,15 @@ fn events(state: StreamState) -> impl Stream<Item = Result<SseEvent, Infallible>
                                 finish = FinishReason::ToolCalls;
                                 state.head.chunk(index, Piece::ToolCalls(calls))
                             }
-                            None => state.head.chunk(index, Piece::Text(&text, &[], 0)),
+                            None => {
+                                let piece = Piece::Text {
+                                    text: &text,
+                                    unscored_first: None,
+                                    scored: &[],
+                                    offset: 0,
+                                };
+                                state.head.chunk(index, piece)
+                            }
                         };
                         state.queued.push_back(data(&piece));
                     }

@@ -81,13 +81,6 @@ fn malformed_bodies_get_400_with_the_reason() {
             "invalid_request",
             "invalid json",
         ),
-        (
-            "missing model",
-            body(json!({"prompt": "hi"})),
-            400,
-            "invalid_request",
-            "model",
-        ),
     ]);
 }
 
@@ -165,11 +158,6 @@ fn out_of_range_fields_get_400_naming_the_field() {
             "object",
         ),
         case("empty stop", json!({"stop": [""]}), "stop"),
-        case(
-            "echo with stream",
-            json!({"echo": true, "stream": true}),
-            "echo",
-        ),
     ]);
 }
 
@@ -194,7 +182,7 @@ fn requests_that_can_never_fit_get_400_with_the_numbers() {
 }
 
 #[test]
-fn unknown_model_path_and_method_get_their_status() {
+fn unknown_model_path_and_method_get_their_status_and_no_model_is_the_served_one() {
     let url = &server().url;
     runtime().block_on(async {
         let answer = post(
@@ -206,6 +194,19 @@ fn unknown_model_path_and_method_get_their_status() {
         assert_eq!(answer.status, 404, "{}", answer.body);
         assert_eq!(answer.code(), "model_not_found");
         assert!(answer.message().contains(MODEL));
+
+        // No model named (or null): the one served answers, as vLLM's and llama.cpp's do.
+        for body in [
+            json!({"prompt": "hi", "max_tokens": 1}),
+            json!({"model": null, "prompt": "hi", "max_tokens": 1}),
+        ] {
+            let answer = post(url, "/v1/completions", body).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            assert_eq!(answer.json()["model"], MODEL);
+        }
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+        let answer = post(url, "/v1/chat/completions", chat).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
 
         let answer = post(url, "/v1/nothing", json!({})).await;
         assert_eq!(answer.status, 404);
@@ -393,8 +394,8 @@ fn every_refused_field_gets_400_naming_it() {
         ),
         (completion(json!({"messages": []})), "messages"),
         (completion(json!({"logprobs": -1})), "logprobs"),
-        (completion(json!({"echo": true, "stream": true})), "echo"),
-        (completion(json!({"best_of": 2})), "best_of"),
+        (completion(json!({"best_of": 2, "n": 3})), "best_of"),
+        (completion(json!({"best_of": 2, "stream": true})), "best_of"),
         (completion(json!({"suffix": "end"})), "suffix"),
         (completion(json!({"top_logprobs": 1})), "top_logprobs"),
     ];

@@ -425,7 +425,6 @@ pub async fn post(url: &str, path: &str, body: serde_json::Value) -> Answer {
     post_raw(url, path, body.to_string().into_bytes(), None).await
 }
 
-/// A greedy completion request for `prompt`.
 /// A streamed answer of `path` to `body`: its `data:` chunks as JSON (without `[DONE]`), and
 /// the whole body as sent.
 pub async fn post_stream(
@@ -451,6 +450,7 @@ pub async fn post_stream(
     (chunks, text)
 }
 
+/// A greedy completion request for `prompt`.
 pub fn completion(prompt: &str, max_tokens: usize) -> serde_json::Value {
     serde_json::json!({
         "model": MODEL,

@@ -17,6 +17,9 @@ const EXACT_TOLERANCE_NATS: f64 = 0.02;
 /// (2026-12-06).
 const FAST_TOLERANCE_NATS: f64 = 0.25;
 
+/// The most prompt tokens scored per reference prompt (several pages and prefill chunks).
+const PROMPT_SCORES_MAX_TOKENS: usize = 400;
+
 fn reference() -> (Value, std::path::PathBuf) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
     let text = std::fs::read_to_string(root.join("reference.json")).expect("reference.json");
@@ -103,6 +106,80 @@ fn first_token_logprobs_against_llama_cpp(options: Options, tolerance: f64) -> f
         "log-probabilities off llama.cpp's by {mean} nats on average, over {tolerance}:\n{report}"
     );
     mean
+}
+
+/// Every prompt token's score, as `echo` with `logprobs` reports it, agrees with llama.cpp's
+/// log-softmax of its logits row before that token on the reference prompts
+/// (`tests/data/reference_prompt_logprobs.json`, scripts/reference/make_prompt_logprobs.py on
+/// llama.cpp's AVX2 build), and so does the best alternative at each position: within 0.02
+/// nats on the exact kernels, within the fast kernels' tolerance on those.
+#[test]
+fn echoed_prompt_logprobs_match_llama_cpp_on_the_reference_prompts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data");
+    let text = std::fs::read_to_string(root.join("reference_prompt_logprobs.json"))
+        .expect("reference_prompt_logprobs.json");
+    let reference: Value = serde_json::from_str(&text).expect("JSON");
+    for (kernels, tolerance) in [
+        (Some(kernels::Backend::GgmlExactAvx2), EXACT_TOLERANCE_NATS),
+        (None, FAST_TOLERANCE_NATS),
+    ] {
+        let mut options = Options::new(Mode::Disaggregated);
+        options.kernels = kernels;
+        let server = start(options);
+        let mut report = String::new();
+        let mut all_diffs = Vec::new();
+        runtime().block_on(async {
+            for case in reference["cases"].as_array().expect("cases") {
+                let name = case["name"].as_str().expect("name");
+                // A prompt's scores do not depend on what follows: the long one is cut, to keep
+                // the every-row logits it costs within the test's time on a busy machine.
+                let tokens = case["prompt_tokens"].as_array().expect("tokens");
+                let tokens = &tokens[..tokens.len().min(PROMPT_SCORES_MAX_TOKENS)];
+                let answer = post(
+                    &server.url,
+                    "/v1/completions",
+                    json!({"model": MODEL, "prompt": tokens, "max_tokens": 0,
+                           "echo": true, "logprobs": 1}),
+                )
+                .await;
+                assert_eq!(answer.status, 200, "{name}: {}", answer.body);
+                let logprobs = &answer.json()["choices"][0]["logprobs"];
+                let ours = logprobs["token_logprobs"].as_array().expect("scores");
+                let want = &case["scores"].as_array().expect("scores")[..tokens.len()];
+                assert_eq!(ours.len(), want.len(), "{name}: one score per prompt token");
+                assert!(ours[0].is_null(), "{name}: the first token has no score");
+                let mut diffs = Vec::new();
+                for i in 1..want.len() {
+                    let score = |v: &Value| v.as_f64().expect("a score");
+                    diffs.push((score(&ours[i]) - score(&want[i])).abs());
+                    // The best alternative: llama.cpp's best token, by its text.
+                    let [best, best_logprob] = &case["top"][i][0].as_array().expect("top")[..]
+                    else {
+                        panic!("{name}: a top entry is [id, logprob]")
+                    };
+                    let id = best.as_u64().expect("id") as u32;
+                    let best_text = crate::harness::tokenizer().token_bytes(id);
+                    let best_text = String::from_utf8_lossy(best_text).into_owned();
+                    if let Some(ours) = logprobs["top_logprobs"][i].get(&best_text) {
+                        diffs.push((score(ours) - score(best_logprob)).abs());
+                    }
+                }
+                let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
+                report.push_str(&format!(
+                    "{name}: mean |diff| {mean:.4} nats over {}\n",
+                    diffs.len()
+                ));
+                all_diffs.extend(diffs);
+            }
+        });
+        let mean = all_diffs.iter().sum::<f64>() / all_diffs.len() as f64;
+        println!("kernels {kernels:?}:\n{report}over all: mean |diff| {mean:.4} nats");
+        assert!(
+            mean <= tolerance,
+            "kernels {kernels:?}: prompt scores off llama.cpp's by {mean} nats on average, \
+             over {tolerance}:\n{report}"
+        );
+    }
 }
 
 /// The same greedy answer asked four ways (chat or completion, streamed or not) reports one
@@ -306,19 +383,53 @@ fn echo_scores_the_prompt_as_generation_would() {
             assert_eq!(plain["choices"][0]["text"].as_str(), Some(prompt.as_str()));
             assert!(plain["choices"][0]["logprobs"].is_null());
 
-            for (body, param) in [
-                (
-                    json!({"prompt": base, "echo": true, "stream": true}),
-                    "echo",
-                ),
-                (json!({"prompt": base, "max_tokens": 0}), "max_tokens"),
-            ] {
-                let mut body = body;
-                body["model"] = json!(MODEL);
-                let answer = post(url, "/v1/completions", body).await;
-                assert_eq!(answer.status, 400, "{}", answer.body);
-                assert_eq!(answer.param(), param);
+            // Streamed: the echoed prompt comes first, with the same scores, then the answer.
+            let streamed = json!({"model": MODEL, "prompt": base, "max_tokens": 1,
+                                  "echo": true, "logprobs": 2, "temperature": 0,
+                                  "stream": true});
+            let (chunks, _) = post_stream(url, "/v1/completions", &streamed).await;
+            let said: Vec<&Value> = chunks
+                .iter()
+                .map(|chunk| &chunk["choices"][0])
+                .filter(|choice| choice["text"] != "")
+                .collect();
+            assert_eq!(said[0]["text"].as_str(), Some(base), "{chunks:?}");
+            let text: String = said.iter().filter_map(|c| c["text"].as_str()).collect();
+            assert_eq!(text, prompt, "{chunks:?}");
+            let streamed_scores: Vec<Value> = said
+                .iter()
+                .flat_map(|c| c["logprobs"]["token_logprobs"].as_array().expect("scores"))
+                .cloned()
+                .collect();
+            assert_eq!(streamed_scores.len(), scores.len(), "{chunks:?}");
+            assert!(streamed_scores[0].is_null());
+            for (a, b) in streamed_scores[1..].iter().zip(&scores[1..]) {
+                let (a, b) = (a.as_f64().expect("a"), b.as_f64().expect("b"));
+                assert!((a - b).abs() < 0.05, "{mode:?}: streamed {a}, whole {b}");
             }
+            let offsets = said[1]["logprobs"]["text_offset"][0].as_u64();
+            assert_eq!(offsets, Some(base.chars().count() as u64), "{chunks:?}");
+            let last = chunks.iter().rev().find(|c| !c["choices"][0].is_null());
+            assert_eq!(
+                last.map(|c| &c["choices"][0]["finish_reason"]),
+                Some(&json!("length"))
+            );
+
+            // Streamed prompt only (`max_tokens: 0`): the prompt, then the finish.
+            let only = json!({"model": MODEL, "prompt": base, "max_tokens": 0, "echo": true,
+                              "stream": true});
+            let (chunks, _) = post_stream(url, "/v1/completions", &only).await;
+            let text: String = chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["text"].as_str())
+                .collect();
+            assert_eq!(text, base, "{chunks:?}");
+
+            let mut body = json!({"prompt": base, "max_tokens": 0});
+            body["model"] = json!(MODEL);
+            let answer = post(url, "/v1/completions", body).await;
+            assert_eq!(answer.status, 400, "{}", answer.body);
+            assert_eq!(answer.param(), "max_tokens");
         });
     }
 }

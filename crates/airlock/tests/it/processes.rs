@@ -527,9 +527,10 @@ fn ready_means_a_complete_path_and_health_means_every_worker() {
 }
 
 /// lm-evaluation-harness, as users run it against a server (`local-completions`, tokenizing
-/// through `/tokenize`), scores a small log-likelihood task shipped in tests/data/lm_eval
-/// against `airlock serve`: every choice's log-likelihood equals the one the server's own
-/// `echo` + `logprobs` answer gives, and so does the accuracy (0.867 on 2026-12-06).
+/// through `/tokenize`, and `gguf`, its client for llama-cpp-python's server), scores a small
+/// log-likelihood task shipped in tests/data/lm_eval against `airlock serve`: every choice's
+/// log-likelihood equals the one the server's own `echo` + `logprobs` answer gives, and the
+/// accuracy is llama.cpp's on the same file (0.867; tests/data/reference_prompt_logprobs.json).
 #[test]
 fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
     let (_serve, url) = spawn(
@@ -550,8 +551,12 @@ fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
         env!("CARGO_MANIFEST_DIR"),
         "/../../tests/data/lm_eval/capitals_and_facts.jsonl"
     );
+    let reference = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/reference_prompt_logprobs.json"
+    );
     let output = std::process::Command::new("python3")
-        .args([script, &base_url(&url), MODEL, task])
+        .args([script, &base_url(&url), MODEL, task, reference])
         .current_dir(std::env::temp_dir())
         .output()
         .expect("python3 runs");

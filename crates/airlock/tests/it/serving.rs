@@ -615,3 +615,127 @@ fn several_choices_and_prompts_each_answer_as_their_own_request() {
         assert!(idle, "pools back to their start:\n{page}");
     });
 }
+
+/// The choices of one prompt compute it once: the later ones are submitted after the first
+/// has started, when its prompt pages are in both workers' prefix caches, so each of them
+/// starts from every full page of the prompt (counted in `airlock_prefix_cache_hit_tokens`).
+#[test]
+fn the_choices_of_one_prompt_start_from_its_cached_pages() {
+    let server = start(Options::new(Mode::Disaggregated));
+    runtime().block_on(async {
+        let url = &server.url;
+        let hit_tokens = |page: String| -> f64 {
+            crate::harness::samples(&page, "airlock_prefix_cache_hit_tokens_total")
+                .iter()
+                .map(|(_, value)| value)
+                .sum()
+        };
+        let prompt: String = (0..40).map(|i| format!("item {i}, ")).collect();
+        let prompt_tokens = crate::harness::tokenizer().encode(&prompt, false).len();
+        let full_page_tokens = (prompt_tokens - 1) / 16 * 16;
+        assert!(full_page_tokens >= 64, "a prompt of several pages");
+        let before = hit_tokens(crate::harness::metrics(url).await);
+        let answer = post(
+            url,
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "n": 3, "seed": 5,
+                   "temperature": 1.0}),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.json()["choices"].as_array().map(Vec::len), Some(3));
+        let hits = hit_tokens(crate::harness::metrics(url).await) - before;
+        // Choices 1 and 2, each on prefill (not computed) and on decode (not transferred).
+        assert_eq!(
+            hits,
+            (4 * full_page_tokens) as f64,
+            "{prompt_tokens} prompt tokens"
+        );
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "pools back to their start:\n{page}");
+    });
+}
+
+/// `best_of` samples that many completions per prompt and answers the `n` whose tokens have
+/// the highest mean log-probability: the same completions `n = best_of` gives with the same
+/// seed, ranked. Usage counts every completion sampled; scores show only when asked for.
+#[test]
+fn best_of_answers_the_most_likely_of_its_samples() {
+    let server = start(Options::new(Mode::Unified));
+    runtime().block_on(async {
+        let url = &server.url;
+        let body = |extra: serde_json::Value| {
+            let mut body = json!({"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8,
+                                  "temperature": 1.0, "seed": 11, "ignore_eos": true});
+            for (key, value) in extra.as_object().expect("an object") {
+                body[key] = value.clone();
+            }
+            body
+        };
+        let all = post(url, "/v1/completions", body(json!({"n": 4, "logprobs": 1}))).await;
+        assert_eq!(all.status, 200, "{}", all.body);
+        let mut ranked: Vec<(f64, String)> = all.json()["choices"]
+            .as_array()
+            .expect("choices")
+            .iter()
+            .map(|choice| {
+                let scores = choice["logprobs"]["token_logprobs"]
+                    .as_array()
+                    .expect("scores");
+                let sum: f64 = scores.iter().map(|s| s.as_f64().expect("a score")).sum();
+                let text = choice["text"].as_str().expect("text").to_string();
+                (sum / scores.len() as f64, text)
+            })
+            .collect();
+        ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let want: Vec<&str> = ranked[..2].iter().map(|(_, text)| text.as_str()).collect();
+        assert_ne!(
+            ranked[0].1, ranked[3].1,
+            "the samples differ, so the ranking means something"
+        );
+
+        for logprobs in [json!(1), json!(null)] {
+            let best = post(
+                url,
+                "/v1/completions",
+                body(json!({"n": 2, "best_of": 4, "logprobs": logprobs})),
+            )
+            .await;
+            assert_eq!(best.status, 200, "{}", best.body);
+            let best = best.json();
+            let choices = best["choices"].as_array().expect("choices");
+            let texts: Vec<&str> = choices
+                .iter()
+                .map(|c| c["text"].as_str().expect("text"))
+                .collect();
+            assert_eq!(texts, want, "{best}");
+            let indexes: Vec<u64> = choices
+                .iter()
+                .map(|c| c["index"].as_u64().expect("index"))
+                .collect();
+            assert_eq!(indexes, [0, 1]);
+            assert_eq!(
+                choices[0]["logprobs"].is_null(),
+                logprobs.is_null(),
+                "{best}"
+            );
+            assert_eq!(
+                best["usage"]["completion_tokens"],
+                4 * 8,
+                "every sample counted"
+            );
+        }
+
+        for extra in [
+            json!({"n": 2, "best_of": 1}),
+            json!({"best_of": 3, "stream": true}),
+            json!({"best_of": 17}),
+        ] {
+            let answer = post(url, "/v1/completions", body(extra.clone())).await;
+            assert_eq!(answer.status, 400, "{extra}: {}", answer.body);
+            assert_eq!(answer.param(), "best_of", "{extra}");
+        }
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "pools back to their start:\n{page}");
+    });
+}

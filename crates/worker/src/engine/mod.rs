@@ -28,6 +28,7 @@
 //! decode's; [`end`] covers aborts, timeouts, lost links and the one report per request.
 
 mod admit;
+mod constrain;
 mod end;
 mod grants;
 pub(crate) use grants::{OneSidedPeer, PageSinks};
@@ -184,6 +185,8 @@ enum Constrained {
     /// The shape as the `Submit` carries it, not compiled yet.
     Pending(String),
     Active(Box<grammar::Constraint>),
+    /// Out of the state for this step while its mask is computed (`constrain`).
+    Masking,
 }
 
 struct LinkEntry {
@@ -232,9 +235,8 @@ pub struct Engine {
     frames_rejected: u64,
     auth_failures: u64,
     last_stats: Option<Stats>,
-    /// The model's tokens for the grammar engine: built at the first structured-output
-    /// request (a fraction of a second), then shared by all.
-    vocabulary: Option<grammar::Vocabulary>,
+    /// The model's tokens for the grammar engine, built on its own thread at start.
+    vocabulary: constrain::GrammarVocabulary,
 }
 
 /// How long an idle engine sleeps between timeout checks.
@@ -253,6 +255,7 @@ impl Engine {
         let mut cache = PrefixCache::new(pool.layout().page_size_tokens);
         #[cfg(feature = "fault-injection")]
         cache.set_tenant_ignored_for_test(!config.faults.cache_keyed_by_tenant());
+        let vocabulary = constrain::GrammarVocabulary::start(config.role, &tokenizer);
         Engine {
             config,
             model,
@@ -274,7 +277,7 @@ impl Engine {
             frames_rejected: 0,
             auth_failures: 0,
             last_stats: None,
-            vocabulary: None,
+            vocabulary,
         }
     }
 

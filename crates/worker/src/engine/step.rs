@@ -1,6 +1,7 @@
 //! The batched forward step: one token for every decoding request plus prompt chunks for
 //! prefilling ones, then sampling, and the end of a prefill or a decode.
 
+use super::constrain::{constrained_sample, Masks};
 use super::{Constrained, DecodeState, Engine, Key, Phase, Request, Stage};
 use kv::RequestId;
 use model::{LogitRows, Logits, SamplingParams, SeqStep};
@@ -8,6 +9,25 @@ use transfer::{Failure, Finish, Frame, Plan, Submit, TokenLogprob, MAX_TEXT_LOGP
 
 impl Engine {
     pub(super) fn step(&mut self) {
+        // The decoding requests this step runs, oldest first.
+        let mut decoding: Vec<(u64, Key)> = self
+            .requests
+            .iter()
+            .filter(|(_, request)| {
+                matches!(
+                    request.phase,
+                    Phase::Admitted {
+                        stage: Stage::Decoding(_),
+                        ..
+                    }
+                )
+            })
+            .map(|(key, request)| (request.seq, *key))
+            .collect();
+        decoding.sort_unstable_by_key(|row| row.0);
+        decoding.truncate(self.config.max_batch);
+        let decoding: Vec<Key> = decoding.into_iter().map(|row| row.1).collect();
+        let mut masking = self.take_grammars(&decoding);
         let Engine {
             config,
             model,
@@ -15,38 +35,42 @@ impl Engine {
             requests,
             ..
         } = self;
-        let mut decoding: Vec<(u64, Key, SeqStep)> = Vec::new();
+        let mut steps: Vec<SeqStep> = Vec::with_capacity(decoding.len());
+        for key in &decoding {
+            if let Some(Request {
+                phase:
+                    Phase::Admitted {
+                        table,
+                        stage: Stage::Decoding(state),
+                    },
+                ..
+            }) = requests.get(key)
+            {
+                steps.push(SeqStep {
+                    table,
+                    tokens: std::slice::from_ref(&state.next_input),
+                    start_pos: state.position,
+                    logits: model::LogitRows::Last,
+                });
+            }
+        }
         // (seq, key, table, submit, done, target) for each prefilling request.
         let mut prefilling = Vec::new();
         for (key, request) in requests.iter() {
-            let Phase::Admitted { table, stage } = &request.phase else {
-                continue;
-            };
-            match stage {
-                Stage::Decoding(state) => {
-                    let step = SeqStep {
-                        table,
-                        tokens: std::slice::from_ref(&state.next_input),
-                        start_pos: state.position,
-                        logits: model::LogitRows::Last,
-                    };
-                    decoding.push((request.seq, *key, step));
-                }
-                Stage::Prefilling { done, target, .. } => {
-                    let submit = &request.submit;
-                    prefilling.push((request.seq, *key, table, submit, *done, *target));
-                }
-                Stage::Receiving { .. } | Stage::Sending { .. } => {}
+            if let Phase::Admitted {
+                table,
+                stage: Stage::Prefilling { done, target, .. },
+            } = &request.phase
+            {
+                let submit = &request.submit;
+                prefilling.push((request.seq, *key, table, submit, *done, *target));
             }
         }
         if decoding.is_empty() && prefilling.is_empty() {
             return;
         }
-        decoding.sort_unstable_by_key(|row| row.0);
         prefilling.sort_unstable_by_key(|row| row.0);
-        decoding.truncate(config.max_batch);
         let mut budget = config.step_tokens.saturating_sub(decoding.len()).max(1);
-        let mut steps: Vec<SeqStep> = decoding.iter().map(|row| row.2).collect();
         // (key, token count, prompt log-probabilities' top count) for each prefill row.
         let mut chunks: Vec<(Key, usize, Option<u8>)> = Vec::new();
         for &(_, key, table, submit, done, target) in &prefilling {
@@ -71,8 +95,14 @@ impl Engine {
         if let Some(delay) = config.faults.step_delay() {
             std::thread::sleep(delay);
         }
-        let result = model.forward(pool, &steps);
-        let decoding: Vec<Key> = decoding.iter().map(|row| row.1).collect();
+        // The constrained requests' masks are computed while the model computes the logits.
+        let (result, masks) = std::thread::scope(|scope| {
+            let masker = (!masking.is_empty()).then(|| scope.spawn(|| masking.compute()));
+            let result = model.forward(pool, &steps);
+            let masks = masker.map(|masker| masker.join().unwrap_or_default());
+            (result, masks.unwrap_or_default())
+        });
+        let mut masks = self.masked(masking, masks);
         let logits = match result {
             Ok(logits) => logits,
             Err(error) => {
@@ -82,7 +112,7 @@ impl Engine {
             }
         };
         for (&key, logits) in decoding.iter().zip(&logits) {
-            self.sampled(key, logits);
+            self.sampled(key, logits, &mut masks);
         }
         // The prompt rows' logits follow the decoding rows', in chunk order.
         let mut row = decoding.len();
@@ -209,7 +239,7 @@ impl Engine {
         }
     }
 
-    fn sampled(&mut self, key: Key, logits: &[f32]) {
+    fn sampled(&mut self, key: Key, logits: &[f32], masks: &mut Masks) {
         let eos = self.tokenizer.eos_id();
         let Some(Request {
             submit,
@@ -223,7 +253,7 @@ impl Engine {
         else {
             return;
         };
-        let token = match constrained_sample(&mut self.vocabulary, &self.tokenizer, state, logits) {
+        let token = match constrained_sample(state, logits, masks.remove(&key)) {
             Ok(token) => token,
             Err(error) => {
                 let message = format!("structured output failed: {error}");
@@ -267,32 +297,6 @@ impl Engine {
             self.end(key, Ok(frame));
         }
     }
-}
-
-/// Samples the next token, within the request's grammar if it has one (the model's own
-/// scores, for logprobs, stay unmasked).
-fn constrained_sample(
-    vocabulary: &mut Option<grammar::Vocabulary>,
-    tokenizer: &gguf::Tokenizer,
-    state: &mut DecodeState,
-    logits: &[f32],
-) -> Result<u32, String> {
-    if let Constrained::Pending(wire) = &state.constraint {
-        let shape = grammar::Shape::from_wire(wire)?;
-        let vocabulary = match vocabulary {
-            Some(vocabulary) => vocabulary,
-            None => vocabulary.insert(grammar::Vocabulary::new(tokenizer)?),
-        };
-        state.constraint = Constrained::Active(Box::new(vocabulary.constraint(&shape)?));
-    }
-    let Constrained::Active(constraint) = &mut state.constraint else {
-        return Ok(state.sampler.sample(logits));
-    };
-    let mut masked = logits.to_vec();
-    constraint.mask(&mut masked)?;
-    let token = state.sampler.sample(&masked);
-    constraint.accept(token)?;
-    Ok(token)
 }
 
 impl DecodeState {
