@@ -6,10 +6,11 @@
   grammar  8 concurrent chat requests with a `json_schema` response_format: generated tokens
            per second over the batch
 
-Each binary serves on its own port (`serve`, default kernels); rounds alternate A, B, A, B...
-and the script prints medians and the ratio B/A.
+Each binary serves on its own port (`serve`, or `unified` with --mode, default kernels);
+rounds alternate A, B, A, B... and the script prints medians and the ratio B/A.
 
-Usage: api_features.py BINARY_A BINARY_B [--rounds 5] [--prompt-sentences 60]
+Usage: api_features.py BINARY_A BINARY_B [--mode serve|unified] [--rounds 5]
+                       [--prompt-sentences 60]
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def post(base: str, path: str, body: dict) -> dict:
         return json.load(answer)
 
 
-def start(binary: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([binary, "serve", "--port", "0"], stdout=subprocess.PIPE,
+def start(binary: str, mode: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([binary, mode, "--port", "0"], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         if " at http://" in line:
@@ -93,10 +94,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("binary_a")
     parser.add_argument("binary_b")
+    parser.add_argument("--mode", choices=["serve", "unified"], default="serve")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-sentences", type=int, default=60)
     args = parser.parse_args()
-    servers = {name: start(binary) for name, binary in
+    servers = {name: start(binary, args.mode) for name, binary in
                [("A", args.binary_a), ("B", args.binary_b)]}
     results = {(name, kind): [] for name in servers for kind in ("choices", "grammar")}
     try:
@@ -114,10 +116,10 @@ def main() -> None:
         for process, _ in servers.values():
             process.terminate()
     median = {key: statistics.median(values) for key, values in results.items()}
-    print(f"n=4 on a {args.prompt_sentences}-sentence prompt, seconds per request (median of "
+    print(f"{args.mode}: n=4 on a {args.prompt_sentences}-sentence prompt, seconds per request (median of "
           f"{args.rounds}): A {median[('A', 'choices')]:.3f}, B {median[('B', 'choices')]:.3f}, "
           f"B/A {median[('B', 'choices')] / median[('A', 'choices')]:.2f}")
-    print(f"json_schema x8 concurrent, generated tok/s (median of {args.rounds}): "
+    print(f"{args.mode}: json_schema x8 concurrent, generated tok/s (median of {args.rounds}): "
           f"A {median[('A', 'grammar')]:.1f}, B {median[('B', 'grammar')]:.1f}, "
           f"B/A {median[('B', 'grammar')] / median[('A', 'grammar')]:.2f}")
 

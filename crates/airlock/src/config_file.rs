@@ -103,5 +103,6 @@ mod tests {
                 "9"
             ]
         );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

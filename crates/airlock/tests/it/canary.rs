@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 
 /// A fresh path for one run's JSON report.
 fn report_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("airlock-canary-{name}-{}.json", std::process::id()))
+    crate::harness::scratch().join(format!("airlock-canary-{name}-{}.json", std::process::id()))
 }
 
 /// Runs `airlock canary ARGS --json FILE`; returns the process output and the parsed report.

@@ -53,7 +53,7 @@ fn missing_model_fails_with_the_fetch_command() {
 #[test]
 fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
     let bytes = std::fs::read(model_path()).expect("model readable");
-    let dir = std::env::temp_dir().join(format!("airlock-cli-{}", std::process::id()));
+    let dir = crate::harness::scratch().join(format!("airlock-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let truncated = dir.join("truncated.gguf");
     std::fs::write(&truncated, &bytes[..bytes.len() / 3]).expect("write temp model");
@@ -149,7 +149,7 @@ fn every_serving_role_explains_its_flags_and_defaults() {
 
 #[test]
 fn a_config_file_with_a_bad_value_is_refused_naming_the_flag() {
-    let dir = std::env::temp_dir().join(format!("airlock-cli-config-{}", std::process::id()));
+    let dir = crate::harness::scratch().join(format!("airlock-cli-config-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("airlock.toml");
     std::fs::write(&path, "page_size = 0\n").expect("write");
@@ -164,7 +164,7 @@ fn a_config_file_with_a_bad_value_is_refused_naming_the_flag() {
 
 #[test]
 fn a_short_or_hand_typed_cluster_secret_is_refused_at_start_saying_how_to_make_one() {
-    let dir = std::env::temp_dir().join(format!("airlock-secret-{}", std::process::id()));
+    let dir = crate::harness::scratch().join(format!("airlock-secret-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     for (name, secret, why) in [
         ("short", "0123456789abcdef", "at least 32"),
@@ -236,7 +236,7 @@ fn the_server_executable_refuses_airlock_faults_whatever_it_was_built_with() {
     }
     // The test executable says what it is, and does read the plan: a misspelt fault is an
     // error naming it.
-    let secret = std::env::temp_dir().join(format!("airlock-faults-{}", std::process::id()));
+    let secret = crate::harness::scratch().join(format!("airlock-faults-{}", std::process::id()));
     std::fs::write(&secret, "fault-test-secret-0123456789abcdef").expect("secret file");
     let output = airlock_fault_injection()
         .args([

@@ -13,7 +13,7 @@ use transfer::{
 };
 
 fn temp_file(name: &str, text: &str) -> String {
-    let dir = std::env::temp_dir().join(format!("airlock-cluster-{}", std::process::id()));
+    let dir = crate::harness::scratch().join(format!("airlock-cluster-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
     std::fs::write(&path, text).expect("write");

@@ -131,11 +131,23 @@ pub struct TestServer {
     _socket_dir: Option<SocketDir>,
 }
 
+/// Where tests keep files that outlive one test (secrets, keys files, schemathesis's state):
+/// Cargo's scratch directory for integration tests, under `target/`, so a run leaves nothing
+/// in the system's temporary directory. (Unix sockets stay there, in [`SocketDir`]s: socket
+/// paths are limited to 107 bytes.)
+pub fn scratch() -> &'static std::path::Path {
+    std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+}
+
 /// A private directory for a decode worker's Unix socket, removed on drop.
 pub struct SocketDir(std::path::PathBuf);
 
 impl SocketDir {
     pub fn new() -> SocketDir {
+        // A server kept for a whole test binary (a static) is never dropped: its directory is
+        // removed by the next run, once the process that made it is gone.
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(remove_stale_socket_dirs);
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("airlock-it-{}-{n}", std::process::id()));
@@ -146,6 +158,26 @@ impl SocketDir {
 
     pub fn path(&self) -> &std::path::Path {
         &self.0
+    }
+}
+
+/// Removes the socket directories of test processes that have exited.
+fn remove_stale_socket_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix("airlock-it-"))
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
     }
 }
 

@@ -31,7 +31,7 @@ fn schemathesis_finds_no_server_error_and_no_answer_off_the_schema() {
         answer.status().as_u16()
     });
     assert_eq!(status, 200, "GET /openapi.json without a key");
-    let scratch = std::env::temp_dir().join(format!("airlock-st-{}", std::process::id()));
+    let scratch = crate::harness::scratch().join(format!("airlock-st-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("scratch dir");
     let output = Command::new("schemathesis")
         .args([

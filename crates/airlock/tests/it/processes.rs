@@ -78,7 +78,8 @@ fn spawn_command(
 
 /// One cluster secret for every process these tests start.
 fn secret_file() -> String {
-    let path = std::env::temp_dir().join(format!("airlock-test-secret-{}", std::process::id()));
+    let path =
+        crate::harness::scratch().join(format!("airlock-test-secret-{}", std::process::id()));
     if !path.exists() {
         std::fs::write(&path, "test-cluster-secret-0123456789abcdef\n").expect("secret file");
     }
@@ -267,7 +268,7 @@ fn a_restarted_decode_worker_is_linked_again() {
 
 #[test]
 fn the_openai_python_client_talks_to_serve() {
-    let dir = std::env::temp_dir().join(format!("airlock-openai-{}", std::process::id()));
+    let dir = crate::harness::scratch().join(format!("airlock-openai-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let keys = dir.join("keys.toml");
     std::fs::write(
@@ -557,7 +558,7 @@ fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
     );
     let output = std::process::Command::new("python3")
         .args([script, &base_url(&url), MODEL, task, reference])
-        .current_dir(std::env::temp_dir())
+        .current_dir(crate::harness::scratch())
         .output()
         .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
