@@ -2,14 +2,16 @@
 """Peer benchmark: llama.cpp (via llama-cpp-python) on the same GGUF as Airlock.
 
 Measures, on CPU with --threads N:
-  prefill_512_tok_s : 512-token prompt, one llm.eval() after llm.reset(), n_batch 512
-  decode_128_tok_s  : 128 tokens at batch 1 (argmax + eval of one token) after a
-                      short 16-token prompt, fresh (reset) context each rep
+  prefill_tok_s : a --prefill-tokens prompt (512), one llm.eval() after llm.reset(),
+                  n_batch 512
+  decode_tok_s  : --decode-tokens (128) at batch 1 (argmax + eval of one token) after a
+                  --decode-depth prompt (16), fresh (reset) context each rep
 Each is repeated --reps times after one untimed warm-up; the median is printed as
 one JSON line on stdout.
 
 Needs: pip install llama-cpp-python==0.3.36 numpy   (not needed by CI/tests)
 Usage: python3 scripts/bench/llamacpp_peer.py --threads 1 [--reps 5] [--model PATH]
+           [--prefill-tokens 512] [--decode-tokens 128] [--decode-depth 16]
 """
 
 from __future__ import annotations
@@ -30,13 +32,10 @@ from bench_prompt import bench_prompt_tokens  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-PREFILL_TOKENS = 512
-DECODE_PROMPT_TOKENS = 16
-DECODE_TOKENS = 128
 
 
-def make_llama(llama_cpp, model: Path, threads: int):
-    kwargs = dict(model_path=str(model), n_ctx=2048, n_batch=512, n_threads=threads,
+def make_llama(llama_cpp, model: Path, threads: int, n_ctx: int):
+    kwargs = dict(model_path=str(model), n_ctx=n_ctx, n_batch=512, n_threads=threads,
                   n_threads_batch=threads, seed=0, logits_all=False, n_gpu_layers=0,
                   verbose=False)
     params = inspect.signature(llama_cpp.Llama.__init__).parameters
@@ -80,20 +79,26 @@ def main() -> int:
     ap.add_argument("--threads", type=int, required=True, choices=[1, 2])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-depth", type=int, default=16)
     ap.add_argument("--dump-prompt", type=Path, default=None,
-                    help="also write the 512 prompt token ids as JSON to this file")
+                    help="also write the prefill prompt's token ids as JSON to this file")
     args = ap.parse_args()
 
     import llama_cpp
 
-    llm = make_llama(llama_cpp, args.model, args.threads)
+    longest = max(args.prefill_tokens, args.decode_depth)
+    n_ctx = max(2048, longest + args.decode_tokens + 8)
+    llm = make_llama(llama_cpp, args.model, args.threads, n_ctx)
     n_vocab = llm.n_vocab()
-    prompt = bench_prompt_tokens(
-        lambda b: llm.tokenize(b, add_bos=False, special=False), PREFILL_TOKENS)
-    short = prompt[:DECODE_PROMPT_TOKENS]
+    text = bench_prompt_tokens(
+        lambda b: llm.tokenize(b, add_bos=False, special=False), longest)
+    prompt, short = text[:args.prefill_tokens], text[:args.decode_depth]
     if args.dump_prompt:
         args.dump_prompt.write_text(json.dumps(
-            {"generator": "scripts/bench/bench_prompt.py bench_prompt_tokens(n=512, seed=512)",
+            {"generator": f"scripts/bench/bench_prompt.py bench_prompt_tokens("
+                          f"n={args.prefill_tokens}, seed=512)",
              "tokens": prompt}) + "\n")
 
     # Warm-up (page in weights, allocate compute buffers).
@@ -103,13 +108,16 @@ def main() -> int:
     prefill, decode = [], []
     for _ in range(args.reps):
         prefill.append(run_prefill(llm, prompt))
-        decode.append(run_decode(llama_cpp, llm, n_vocab, short, DECODE_TOKENS))
+        decode.append(run_decode(llama_cpp, llm, n_vocab, short, args.decode_tokens))
 
     out = {
         "engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
         "threads": args.threads,
-        "prefill_512_tok_s": round(statistics.median(prefill), 1),
-        "decode_128_tok_s": round(statistics.median(decode), 1),
+        "prefill_tokens": args.prefill_tokens,
+        "prefill_tok_s": round(statistics.median(prefill), 1),
+        "decode_tokens": args.decode_tokens,
+        "decode_depth": args.decode_depth,
+        "decode_tok_s": round(statistics.median(decode), 1),
         "reps": args.reps,
         "prompt_tokens_len": len(prompt),
         "prompt_tokens_sha256": hashlib.sha256(

@@ -33,6 +33,10 @@ pub struct Args {
     /// Tokens generated per sequence in the decode measurements
     #[arg(long, env = "AIRLOCK_BENCH_MODEL_DECODE_TOKENS", default_value_t = 128)]
     pub(crate) decode_tokens: usize,
+    /// Tokens already in each sequence's context when its decode measurement starts (prefilled
+    /// untimed; llama-bench's --n-depth): decode at depth 4,096 is `--decode-depth 4096`
+    #[arg(long, env = "AIRLOCK_BENCH_MODEL_DECODE_DEPTH", default_value_t = 16)]
+    pub(crate) decode_depth: usize,
     /// Batch sizes for aggregate decode, comma separated
     #[arg(
         long,
@@ -80,8 +84,8 @@ pub fn run(args: Args) -> Result<()> {
     );
     let largest = args.batches.iter().copied().max().unwrap_or(1);
     println!(
-        "threads | prefill {} tok/s | decode b1 tok/s | ratio prefill | ratio decode | b{largest} / b1 (median of rounds)",
-        args.prefill_tokens
+        "threads | prefill {} tok/s | decode b1 tok/s (depth {}) | ratio prefill | ratio decode | b{largest} / b1 (median of rounds)",
+        args.prefill_tokens, args.decode_depth
     );
     for (f, peer) in &rows {
         let batch = |size| f.decode_tok_s.iter().find(|(b, _)| *b == size).map(|x| x.1);
@@ -89,7 +93,7 @@ pub fn run(args: Args) -> Result<()> {
         let rp = peer.as_ref().map(|p| f.prefill_tok_s / p.prefill_tok_s);
         let rd = peer.as_ref().zip(b1).map(|(p, b1)| b1 / p.decode_tok_s);
         println!(
-            "{:7} | {:17.1} | {:>15} | {:>13} | {:>12} | {:>8}",
+            "{:7} | {:17.1} | {:>24} | {:>13} | {:>12} | {:>8}",
             f.threads,
             f.prefill_tok_s,
             cell(b1, "", 1),
@@ -149,17 +153,20 @@ pub(crate) fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figu
         args.decode_tokens >= 1,
         "--decode-tokens must be at least 1"
     );
+    anyhow::ensure!(args.decode_depth >= 1, "--decode-depth must be at least 1");
     anyhow::ensure!(
         !args.batches.is_empty() && args.batches.iter().all(|&b| (1..=256).contains(&b)),
         "--batches takes sizes from 1 to 256"
     );
     let vocab = model.config().vocab_size as u32;
     // Deterministic ordinary token ids; content does not change the arithmetic.
-    let prompt: Vec<u32> = (0..args.prefill_tokens as u32)
+    let longest = args.prefill_tokens.max(args.decode_depth) as u32;
+    let text: Vec<u32> = (0..longest)
         .map(|i| 200 + (i * 7919) % (vocab - 200))
         .collect();
+    let (prompt, context) = (&text[..args.prefill_tokens], &text[..args.decode_depth]);
     let max_batch = args.batches.iter().copied().max().unwrap_or(1);
-    let per_seq = 16 + args.decode_tokens;
+    let per_seq = args.decode_depth + args.decode_tokens;
     let tokens = (args.prefill_tokens + 16).max(per_seq * max_batch);
     let layout = model.config().kv_layout(16);
     let mut pool = PagePool::new(PoolConfig {
@@ -176,7 +183,7 @@ pub(crate) fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figu
             &mut pool,
             &[SeqStep {
                 table: &table,
-                tokens: &prompt,
+                tokens: prompt,
                 start_pos: 0,
                 logits: model::LogitRows::Last,
             }],
@@ -194,7 +201,7 @@ pub(crate) fn measure(model: &Model, threads: usize, args: &Args) -> Result<Figu
     for round in 1..=args.reps {
         let mut figures = Vec::new();
         for (samples, &batch) in samples.iter_mut().zip(&args.batches) {
-            let tok_s = decode_run(model, &mut pool, batch, args.decode_tokens, &prompt[..16])?;
+            let tok_s = decode_run(model, &mut pool, batch, args.decode_tokens, context)?;
             samples.push(tok_s);
             figures.push(format!("batch {batch} {tok_s:.1}"));
         }
@@ -300,6 +307,12 @@ pub(crate) fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
             &threads.to_string(),
             "--reps",
             &args.reps.to_string(),
+            "--prefill-tokens",
+            &args.prefill_tokens.to_string(),
+            "--decode-tokens",
+            &args.decode_tokens.to_string(),
+            "--decode-depth",
+            &args.decode_depth.to_string(),
         ])
         .output()
         .context("running python3")
@@ -322,8 +335,8 @@ pub(crate) fn peer(model: &Path, threads: usize, args: &Args) -> Option<Peer> {
     let json: serde_json::Value = serde_json::from_str(line).ok()?;
     Some(Peer {
         engine: json["engine"].as_str().unwrap_or("llama.cpp").to_string(),
-        prefill_tok_s: json["prefill_512_tok_s"].as_f64()?,
-        decode_tok_s: json["decode_128_tok_s"].as_f64()?,
+        prefill_tok_s: json["prefill_tok_s"].as_f64()?,
+        decode_tok_s: json["decode_tok_s"].as_f64()?,
     })
 }
 
