@@ -134,15 +134,9 @@ pub struct Constraint {
 }
 
 impl Constraint {
-    /// Sets the logit of every token the grammar does not allow next to -infinity (the
-    /// end-of-sequence token is allowed once the document is complete).
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        self.next_mask()?.apply(logits);
-        Ok(())
-    }
-
-    /// The tokens the grammar allows next. It reads only the tokens accepted so far, so it
-    /// can be computed while the model computes the logits it will be applied to.
+    /// The tokens the grammar allows next (the end-of-sequence token once the document is
+    /// complete). It reads only the tokens accepted so far, so it can be computed while the
+    /// model computes the logits it will be applied to.
     pub fn next_mask(&mut self) -> Result<Mask, String> {
         let allowed = self
             .matcher

@@ -28,7 +28,7 @@ fn vocabulary() -> &'static Vocabulary {
 /// Which tokens the constraint allows now.
 fn allowed(constraint: &mut Constraint) -> Vec<u32> {
     let mut logits = vec![0.0; tokenizer().vocab_size()];
-    constraint.mask(&mut logits).expect("a mask");
+    constraint.next_mask().expect("a mask").apply(&mut logits);
     (0..logits.len() as u32)
         .filter(|&id| logits[id as usize] == 0.0)
         .collect()
