@@ -4,8 +4,11 @@
 
 use std::fmt;
 
-/// The KV cache element type; every worker of a deployment must use the same.
-pub const KV_DTYPE: &str = "f16";
+/// The KV cache element type and page layout; every worker of a deployment must use the same
+/// (the handshake refuses a peer that differs). f16, with each head's keys dimension-major
+/// within a page ("kdm", `kernels::key_index`); before 2026-12-06 they were slot-major, as
+/// values still are, and the name was "f16".
+pub const KV_DTYPE: &str = "f16-kdm";
 pub const KV_DTYPE_BYTES: u64 = 2;
 
 /// What sizing needs to know about the model.

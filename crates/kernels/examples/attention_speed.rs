@@ -15,7 +15,6 @@ use half::f16;
 use kernels::{Backend, KvHeadAttention};
 use std::time::Instant;
 
-const LAYERS: usize = 30;
 const KV_HEADS: usize = 3;
 const GROUP: usize = 3;
 const HEAD_DIM: usize = 64;
@@ -38,11 +37,15 @@ fn main() {
     // CACHED=1: the same sequences every rep, so their pages may stay cached (the compute
     // part alone when they fit).
     let cached = std::env::var_os("CACHED").is_some();
+    // LAYERS=n: fewer layers than SmolLM2's 30, so that with CACHED=1 the K/V stays in L2 as
+    // prefill's does (the compute alone).
+    let layers: usize = std::env::var("LAYERS").map_or(30, |n| n.parse().expect("a layer count"));
     // Each page holds all layers' K and V heads for PAGE positions, as the pool's do; the
     // pool is padded to ~256 MB so consecutive steps do not find each other's pages cached.
-    let page_elems = LAYERS * 2 * KV_HEADS * PAGE * HEAD_DIM;
+    let page_elems = layers * 2 * KV_HEADS * PAGE * HEAD_DIM;
     let pages_per_seq = context.div_ceil(PAGE);
-    let mut pool_pages = (seqs * pages_per_seq * (reps + 1)).max((256 << 20) / (2 * page_elems));
+    let fresh_pages = seqs * pages_per_seq * if cached { 1 } else { reps + 1 };
+    let mut pool_pages = fresh_pages.max((256 << 20) / (2 * page_elems));
     if pool_pages.is_multiple_of(7919) {
         pool_pages += 1;
     }
@@ -65,9 +68,14 @@ fn main() {
         .map(|i| (i % 13) as f32 / 13.0 - 0.5)
         .collect();
     let mut out = vec![0f32; GROUP * HEAD_DIM];
-    let backend = Backend::detect();
+    // AVX2=1: the AVX2 kernels on a CPU that has AVX-512.
+    let backend = if std::env::var_os("AVX2").is_some() {
+        Backend::Avx2
+    } else {
+        Backend::detect()
+    };
     // (layer, sequence, K/V head) in the order a step runs them.
-    let tasks: Vec<(usize, usize, usize)> = (0..LAYERS)
+    let tasks: Vec<(usize, usize, usize)> = (0..layers)
         .flat_map(|l| (0..seqs).flat_map(move |s| (0..KV_HEADS).map(move |h| (l, s, h))))
         .collect();
     let mut times = Vec::new();
@@ -106,12 +114,12 @@ fn main() {
     }
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
-    let bytes = (LAYERS * seqs * KV_HEADS * 2 * context * HEAD_DIM * 2) as f64;
+    let bytes = (layers * seqs * KV_HEADS * 2 * context * HEAD_DIM * 2) as f64;
     println!(
         "{backend:?} {seqs} seqs × context {context}: {:.3} ms per step, {:.2} GB/s of K/V, {:.0} ns per task (checksum {:.3})",
         median * 1e3,
         bytes / median / 1e9,
-        median * 1e9 / (LAYERS * seqs * KV_HEADS) as f64,
+        median * 1e9 / (layers * seqs * KV_HEADS) as f64,
         out.iter().sum::<f32>()
     );
 }

@@ -3,16 +3,104 @@
 //! group instead of once per head, and scores, softmax and the weighted sum of values stay in
 //! registers and one reused scratch buffer.
 //!
-//! The AVX2 kernel computes each head the same way whatever the group size: a request's bits
-//! do not depend on how many heads shared the call (tested). `Scalar` runs the plain
-//! per-head arithmetic (`ops::attention_scores_f16` and friends) that the SIMD version is
-//! tested against within float tolerance.
+//! **Page layout.** One head's slots of a page hold its keys *dimension-major*
+//! (`keys[d * page_size + slot]`, [`key_index`]) and its values slot-major
+//! (`values[slot * head_dim + d]`). With keys dimension-major, one register load holds
+//! dimension d of 8 or 16 consecutive keys, so a score is one chain of FMAs over d in its own
+//! lane, with no reduction across lanes, and the same chain whatever the register width, the
+//! number of heads or rows that share the call, or the step (prefill or decode). Values
+//! slot-major make each output value one chain of FMAs over positions, the same way.
+//!
+//! Every SIMD kernel computes each score as `fma(q[d], k[d], acc)` for d = 0, 1, … from
+//! zero, then times the scale, and each output value as `fma(p_pos, v_pos[d], acc)` over
+//! positions in order: the AVX2 and AVX-512 kernels agree bit for bit, and a head's bits do
+//! not depend on how many heads shared the call (tested). `Scalar` runs the plain per-head
+//! arithmetic (`ops::attention_scores_f16` and friends) that the SIMD versions are tested
+//! against within float tolerance.
 
+#[cfg(target_arch = "x86_64")]
+use crate::attention_avx512;
 use crate::{avx2, ops, Backend};
 use half::f16;
 
+/// Where dimension `d` of the key in slot `slot` lies in one head's keys of a page of
+/// `page_size` slots.
+#[inline(always)]
+pub fn key_index(page_size: usize, slot: usize, d: usize) -> usize {
+    d * page_size + slot
+}
+
+/// How the 8 lane sums of a score are folded ([`score_dot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fold {
+    /// `((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7))`, as two rounds of `_mm256_hadd_ps` over
+    /// four keys' sums fold them.
+    Pairs,
+    /// `((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))`, as a one-register `hsum` folds them.
+    Halves,
+}
+
+impl Fold {
+    /// The fold of the key in slot `slot` of a page whose first `written` slots hold
+    /// positions below `len`: whole groups of four take [`Fold::Pairs`], the last one to
+    /// three [`Fold::Halves`].
+    #[inline(always)]
+    pub fn of_slot(slot: usize, written: usize) -> Fold {
+        if slot < written / 4 * 4 {
+            Fold::Pairs
+        } else {
+            Fold::Halves
+        }
+    }
+
+    #[inline(always)]
+    pub fn apply(self, l: [f32; 8]) -> f32 {
+        match self {
+            Fold::Pairs => ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])),
+            Fold::Halves => ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])),
+        }
+    }
+}
+
+/// The dot product of every attention score: 8 lane sums, lane l a chain of fused
+/// multiply-adds from zero over dimensions l, l + 8, l + 16, …, folded by `fold`. This is,
+/// bit for bit, what the slot-major AVX2 kernel computed before keys were laid out
+/// dimension-major (2026-12-06): it scored four keys at a time, 8 dimensions to a register,
+/// and the keys left over one at a time, hence the two folds. Kept so that the layout change
+/// moved no output (greedy agreement with llama.cpp rests on near-ties; ARCHITECTURE.md).
+/// With keys dimension-major a register holds one lane of 8 or 16 keys, so the SIMD kernels
+/// compute exactly this, with no shuffles.
+#[inline(always)]
+pub(crate) fn score_dot(q: &[f32], key: impl Fn(usize) -> f32, fold: Fold) -> f32 {
+    let mut lanes = [0f32; 8];
+    for (d, &q) in q.iter().enumerate() {
+        lanes[d % 8] = q.mul_add(key(d), lanes[d % 8]);
+    }
+    fold.apply(lanes)
+}
+
+/// Writes `key` (rounded to f16) into slot `slot` of one head's keys of a page of `page_size`
+/// slots.
+pub fn store_key(keys: &mut [f16], page_size: usize, slot: usize, key: &[f32]) {
+    assert!(
+        slot < page_size && keys.len() >= key.len() * page_size,
+        "a slot of a whole page"
+    );
+    for (d, &value) in key.iter().enumerate() {
+        keys[key_index(page_size, slot, d)] = f16::from_f32(value);
+    }
+}
+
+/// Reads the key in slot `slot` of one head's keys of a page into `key` (widened to f32).
+pub fn load_key(keys: &[f16], page_size: usize, slot: usize, key: &mut [f32]) {
+    for (d, value) in key.iter_mut().enumerate() {
+        *value = keys[key_index(page_size, slot, d)].to_f32();
+    }
+}
+
 /// Positions `0..len` of one K/V head, held in pages of `page_size` positions: `keys[p]` and
-/// `values[p]` are page p's slots for this head, `head_dim` f16 each.
+/// `values[p]` are page p's slots for this head, `page_size × head_dim` f16 each, laid out as
+/// the module says.
 pub struct KvHeadAttention<'a> {
     pub keys: &'a [&'a [f16]],
     pub values: &'a [&'a [f16]],
@@ -23,6 +111,100 @@ pub struct KvHeadAttention<'a> {
     pub scale: f32,
 }
 
+/// Query heads per scores/mix pass of the SIMD kernels: their accumulators fill the registers.
+pub(crate) const HEADS_PER_PASS: usize = 3;
+
+/// One ISA's scores and mix passes over up to [`HEADS_PER_PASS`] heads (`q`: their rounded
+/// queries; `probs`: `heads × len`; `out`: their outputs).
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct GroupedKernels {
+    /// # Safety
+    /// The CPU has the kernel's features; `att` passed `check`; `q` holds whole heads.
+    pub scores: unsafe fn(&KvHeadAttention, &[f32], &mut [f32]),
+    /// # Safety
+    /// As `scores`, with `probs` `heads × len` values and `out` the heads' outputs.
+    pub mix: unsafe fn(&KvHeadAttention, &[f32], &mut [f32]),
+}
+
+/// Up to a register's worth of consecutive slots of one page, all below `len`: the keys one
+/// register load of a scores kernel holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct KeyRun {
+    pub page: usize,
+    pub slot: usize,
+    /// Slots in the run, `1..=lanes`.
+    pub n: usize,
+}
+
+impl KeyRun {
+    /// The position of the run's first slot.
+    pub fn pos(&self, page_size: usize) -> usize {
+        self.page * page_size + self.slot
+    }
+}
+
+/// How many pages ahead of the keys being scored their successors' keys are requested: about
+/// one pass of a scores kernel on. Pages are scattered and one head's slots of a page are only
+/// `page_size × head_dim` values, too short a run for the hardware prefetcher to pick up
+/// before it ends.
+const KEY_PAGES_AHEAD: usize = 4;
+
+/// What a scores kernel asks for while it scores one run: when the run starts a page, the
+/// keys of the page [`KEY_PAGES_AHEAD`] on, if that page is whole (a dimension-major page
+/// interleaves written and unwritten slots, and slots past `len` may hold an earlier
+/// owner's bytes: not even a prefetch goes there). One line every other dimension step, so
+/// the requests spread over the pass instead of filling the core's miss buffers in one burst;
+/// into L2 (`T1`), not L1, whose few miss buffers a burst would hold up.
+///
+/// Measured with `examples/attention_speed` (2026-12-06, one thread): 16 sequences × 500
+/// positions from DRAM 24.0 → 21.7 ms per step; one sequence of 2,048 from L3 31.8 → 34.2 µs
+/// per task and from L2 20.6 → 24.0 µs, at every step (values as well, as the slot-major
+/// kernel did: 20.7, 41.3 and 27.0).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(crate) struct RunPrefetch {
+    start: *const i8,
+    bytes: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RunPrefetch {
+    pub fn new(att: &KvHeadAttention, run: KeyRun) -> RunPrefetch {
+        let ahead = run.page + KEY_PAGES_AHEAD;
+        match att.keys.get(ahead) {
+            Some(page) if run.slot == 0 && att.page_is_full(ahead) => RunPrefetch {
+                start: page.as_ptr() as *const i8,
+                bytes: att.page_size * att.head_dim * std::mem::size_of::<f16>(),
+            },
+            _ => RunPrefetch {
+                start: std::ptr::null(),
+                bytes: 0,
+            },
+        }
+    }
+
+    /// Asks for line `line` of the page ahead, if it has one (the kernels call this once per
+    /// two dimension steps).
+    #[inline(always)]
+    pub fn line(&self, line: usize) {
+        let offset = line * 64;
+        if offset < self.bytes {
+            // SAFETY: a prefetch never faults, and `offset` is inside the page's slice.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    self.start.add(offset),
+                )
+            };
+        }
+    }
+}
+
+thread_local! {
+    /// The grouped kernels' rounded queries and scores, reused across calls on this thread.
+    static ATTENTION_SCRATCH: std::cell::RefCell<Vec<f32>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl KvHeadAttention<'_> {
     /// For each query head g of `queries` (`heads × head_dim`, all reading this K/V head),
     /// `out[g] = softmax(scale · K·q_g) · V`, with Q and the probabilities rounded to f16 as
@@ -31,11 +213,54 @@ impl KvHeadAttention<'_> {
         self.check(queries, out);
         match backend {
             #[cfg(target_arch = "x86_64")]
+            Backend::Avx512Vnni if attention_avx512::fits(self.head_dim) => {
+                self.run_grouped(backend, &attention_avx512::KERNELS, queries, out)
+            }
+            #[cfg(target_arch = "x86_64")]
             Backend::Avx2 | Backend::Avx512Vnni if avx2::attention_fits(self.head_dim) => {
-                avx2::attend_kv_head(self, backend, queries, out)
+                self.run_grouped(backend, &avx2::ATTENTION_KERNELS, queries, out)
             }
             _ => self.run_per_head(backend, queries, out),
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    /// `run` with one ISA's kernels, which the caller has checked this CPU and head size
+    /// take: scores for every head, softmax, probabilities rounded to f16, then the mix.
+    fn run_grouped(
+        &self,
+        backend: Backend,
+        kernels: &GroupedKernels,
+        queries: &[f32],
+        out: &mut [f32],
+    ) {
+        let (head_dim, len) = (self.head_dim, self.len);
+        let heads = queries.len() / head_dim;
+        ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            scratch.resize(heads * (head_dim + len), 0.0);
+            let (q16, probs) = scratch.split_at_mut(heads * head_dim);
+            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+            q16.copy_from_slice(queries);
+            avx2::round_through_f16_in_place(q16);
+            let passes = q16
+                .chunks(HEADS_PER_PASS * head_dim)
+                .zip(probs.chunks_mut(HEADS_PER_PASS * len));
+            for (q, probs) in passes {
+                // SAFETY: the caller chose `kernels` for this CPU and head size; `check` ran
+                // in `run`; `q` holds whole heads and `probs` `len` values for each.
+                unsafe { (kernels.scores)(self, q, probs) };
+            }
+            // Probabilities rounded to f16, as the reference multiplies them by V in f16.
+            ops::attention_softmax_rows(backend, probs, len);
+            let passes = probs
+                .chunks(HEADS_PER_PASS * len)
+                .zip(out.chunks_mut(HEADS_PER_PASS * head_dim));
+            for (probs, out) in passes {
+                // SAFETY: as above; `out` holds an output head for each row of `probs`.
+                unsafe { (kernels.mix)(self, probs, out) };
+            }
+        });
     }
 
     /// The bounds every implementation relies on: whole heads, and pages enough for `len`
@@ -67,19 +292,25 @@ impl KvHeadAttention<'_> {
         );
     }
 
-    /// The written values among slots `slots` of page `page`: a range within that page's
-    /// `page_size × head_dim` values, or `None` when none of those slots holds a position
-    /// below `len` (slots past it may hold an earlier owner's bytes: not even a prefetch
-    /// goes there).
-    pub(crate) fn written_slots(
-        &self,
-        page: usize,
-        slots: std::ops::Range<usize>,
-    ) -> Option<std::ops::Range<usize>> {
-        let first = page.checked_mul(self.page_size)?;
-        let written = self.len.checked_sub(first)?.min(self.page_size);
-        let end = slots.end.min(written);
-        (slots.start < end).then(|| slots.start * self.head_dim..end * self.head_dim)
+    /// The runs of up to `lanes` consecutive slots that cover positions `0..len`, page by page.
+    pub(crate) fn key_runs(&self, lanes: usize) -> impl Iterator<Item = KeyRun> + '_ {
+        let pages = self.len.div_ceil(self.page_size);
+        (0..pages).flat_map(move |page| {
+            let slots = (self.len - page * self.page_size).min(self.page_size);
+            (0..slots).step_by(lanes).map(move |slot| KeyRun {
+                page,
+                slot,
+                n: (slots - slot).min(lanes),
+            })
+        })
+    }
+
+    /// Whether every slot of page `page` holds a position below `len`: only such a page's
+    /// keys are prefetched (a dimension-major page interleaves written and unwritten slots).
+    pub(crate) fn page_is_full(&self, page: usize) -> bool {
+        page.checked_add(1)
+            .and_then(|end| end.checked_mul(self.page_size))
+            .is_some_and(|end| end <= self.len)
     }
 
     /// One head at a time, page by page: the plain arithmetic.
@@ -91,9 +322,10 @@ impl KvHeadAttention<'_> {
             let mut scores = vec![0f32; self.len];
             let q: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
             for (page, scores) in scores.chunks_mut(self.page_size).enumerate() {
-                ops::attention_scores_f16(backend, &q, self.keys[page], self.scale, scores);
+                let keys = self.keys[page];
+                ops::attention_scores_f16(backend, &q, keys, self.page_size, self.scale, scores);
             }
-            ops::softmax_in_place(backend, &mut scores);
+            ops::attention_softmax_rows(backend, &mut scores, self.len);
             out.fill(0.0);
             for (page, weights) in scores.chunks(self.page_size).enumerate() {
                 ops::attention_mix_f16(backend, weights, self.values[page], out);

@@ -2,8 +2,6 @@
 //! the CPU's features (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
-#[cfg(target_arch = "x86_64")]
-use crate::attention::KvHeadAttention;
 use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
 use crate::scalar;
 use half::f16;
@@ -44,23 +42,6 @@ pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
     scalar::q80_group(group, job)
 }
 
-pub(crate) fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
-    assert!(
-        keys.len() >= scores.len() * q.len(),
-        "a key for every score"
-    );
-    #[cfg(target_arch = "x86_64")]
-    if cpu_ok() {
-        // SAFETY: the CPU has avx2, fma and f16c (checked just above); `keys` holds
-        // `scores.len()` keys of `q.len()` values (asserted above).
-        unsafe { x86::scores_f16(q, keys, scale, scores) };
-        return;
-    }
-    for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
-        *score = scalar::dot_f16(q, key) * scale;
-    }
-}
-
 pub(crate) fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
     assert!(
         values.len() >= weights.len() * out.len(),
@@ -78,70 +59,31 @@ pub(crate) fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
     }
 }
 
-/// Whether `attend_kv_head` takes a head of `head_dim` values on this CPU (whole registers).
+/// Whether the AVX2 attention kernels take a head of `head_dim` values on this CPU (whole
+/// registers).
 pub(crate) fn attention_fits(head_dim: usize) -> bool {
     cpu_ok() && head_dim.is_multiple_of(8)
 }
 
-/// Query heads per scores/mix pass: their accumulators fill the 16 registers.
-const HEADS_PER_PASS: usize = 3;
-
-thread_local! {
-    /// `attend_kv_head`'s rounded queries and scores, reused across calls on this thread.
-    static ATTENTION_SCRATCH: std::cell::RefCell<Vec<f32>> =
-        const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// [`KvHeadAttention::run`] in AVX2 for a `head_dim` that `attention_fits`.
+/// The AVX2 grouped attention kernels, for a head size that `attention_fits`.
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn attend_kv_head(
-    att: &KvHeadAttention,
-    backend: crate::Backend,
-    queries: &[f32],
-    out: &mut [f32],
-) {
-    assert!(attention_fits(att.head_dim), "a head of whole registers");
-    att.check(queries, out);
-    let (head_dim, len) = (att.head_dim, att.len);
-    let heads = queries.len() / head_dim;
-    ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
-        scratch.clear();
-        scratch.resize(heads * (head_dim + len), 0.0);
-        let (q16, probs) = scratch.split_at_mut(heads * head_dim);
-        // SAFETY (every call below): the CPU has avx2, fma and f16c (`attention_fits`);
-        // `KvHeadAttention::check` (just above) ensured the pages hold `len` positions of
-        // `head_dim` values; `q16`, `probs` and `out` hold `heads` heads of `head_dim` and `len`
-        // values. The reference multiplies Q against the f16 cache in f16: round Q the same way.
-        q16.copy_from_slice(queries);
-        unsafe { x86::round_through_f16_in_place(q16) };
-        let passes = q16
-            .chunks(HEADS_PER_PASS * head_dim)
-            .zip(probs.chunks_mut(HEADS_PER_PASS * len));
-        for (q, probs) in passes {
-            unsafe {
-                match q.len() / head_dim {
-                    3 => x86::scores::<3>(att, q, probs),
-                    2 => x86::scores::<2>(att, q, probs),
-                    _ => x86::scores::<1>(att, q, probs),
-                }
-            }
-        }
-        crate::ops::softmax_rows_in_place(backend, probs, len);
-        // Probabilities rounded to f16, as the reference multiplies them by V in f16.
-        unsafe { x86::round_through_f16_in_place(probs) };
-        let passes = probs
-            .chunks(HEADS_PER_PASS * len)
-            .zip(out.chunks_mut(HEADS_PER_PASS * head_dim));
-        for (probs, out) in passes {
-            unsafe {
-                match probs.len() / len {
-                    3 => x86::mix::<3>(att, probs, out),
-                    2 => x86::mix::<2>(att, probs, out),
-                    _ => x86::mix::<1>(att, probs, out),
-                }
-            }
-        }
-    });
+pub(crate) const ATTENTION_KERNELS: crate::attention::GroupedKernels =
+    crate::attention::GroupedKernels {
+        scores: x86::scores_of_heads,
+        mix: x86::mix_of_heads,
+    };
+
+/// Rounds each value of `x` to f16 and back, in place.
+pub(crate) fn round_through_f16_in_place(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if cpu_ok() {
+        // SAFETY: the CPU has avx2, fma and f16c (checked just above).
+        unsafe { x86::round_through_f16_in_place(x) };
+        return;
+    }
+    for v in x.iter_mut() {
+        *v = f16::from_f32(*v).to_f32();
+    }
 }
 
 // Inside these functions nearly every line is an intrinsic; the safety contract is the
@@ -149,11 +91,10 @@ pub(crate) fn attend_kv_head(
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::attention::KvHeadAttention;
+    use crate::attention::{score_dot, Fold, KeyRun, KvHeadAttention, RunPrefetch};
     use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
     use half::f16;
     use std::arch::x86_64::*;
-    use std::mem::size_of;
 
     // All loads below are unaligned loads (`loadu`) of exactly the bytes of a fixed-size array
     // field, so every pointer is in bounds for the width read.
@@ -264,42 +205,6 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `keys.len() >= scores.len() * q.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores_f16(q: &[f32], keys: &[f16], scale: f32, scores: &mut [f32]) {
-        let width = q.len();
-        let mut i = 0;
-        if width.is_multiple_of(8) {
-            // Four keys per pass: each chunk of q is loaded once for four keys, and one
-            // reduction tree finishes all four dot products.
-            while i + 4 <= scores.len() {
-                let base = keys.as_ptr().add(i * width);
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for c in (0..width).step_by(8) {
-                    let qv = _mm256_loadu_ps(q.as_ptr().add(c));
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        let kv = _mm_loadu_si128(base.add(k * width + c) as *const __m128i);
-                        *acc = _mm256_fmadd_ps(qv, _mm256_cvtph_ps(kv), *acc);
-                    }
-                }
-                let h = _mm256_hadd_ps(
-                    _mm256_hadd_ps(acc[0], acc[1]),
-                    _mm256_hadd_ps(acc[2], acc[3]),
-                );
-                let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                _mm_storeu_ps(
-                    scores.as_mut_ptr().add(i),
-                    _mm_mul_ps(sums, _mm_set1_ps(scale)),
-                );
-                i += 4;
-            }
-        }
-        for (j, score) in scores.iter_mut().enumerate().skip(i) {
-            *score = dot_f16(q, keys.get_unchecked(j * width..(j + 1) * width)) * scale;
-        }
-    }
-
-    /// # Safety
     /// The CPU must support avx2, fma and f16c; `values.len() >= weights.len() * out.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn mix_f16(weights: &[f32], values: &[f16], out: &mut [f32]) {
@@ -350,25 +255,6 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `q.len() == k.len()`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
-        let full = q.len() / 8 * 8;
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < full {
-            let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kv, acc);
-            i += 8;
-        }
-        let mut sum = hsum(acc);
-        for j in full..q.len() {
-            sum += q[j] * k[j].to_f32();
-        }
-        sum
-    }
-
-    /// # Safety
     /// The CPU must support avx2, fma and f16c; `out.len() == v.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn axpy_f16(out: &mut [f32], weight: f32, v: &[f16]) {
@@ -384,14 +270,6 @@ mod x86 {
         for j in full..out.len() {
             out[j] += weight * v[j].to_f32();
         }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
     }
 
     /// Rounds each value of `x` to f16 and back, in place.
@@ -412,131 +290,101 @@ mod x86 {
         }
     }
 
-    /// How many pages ahead of the keys being scored their successors' lines are requested.
-    /// Pages are scattered and one head's slots of a page are only `page_size × head_dim`
-    /// values, too short a run for the hardware prefetcher to pick up before it ends.
-    const KEY_PAGES_AHEAD: usize = 2;
-
-    /// Asks for the cache lines of slots `slots` of `page` in `pages` (one head's keys or
-    /// values), keeping to written positions: positions past `len` are never touched, not
-    /// even by a prefetch. Into L2 (`T1`), not L1: a burst of prefetches into L1 waits on
-    /// L1's few miss buffers (batch-16 attention ran a third faster into L2; BENCHMARKS.md).
-    ///
-    /// The scores pass asks for a few slots at a time as it goes rather than whole pages at
-    /// once: a page-sized burst fills the core's miss buffers, and what does not fit is
-    /// dropped or holds up the loads that compute. Spread out, `examples/attention_speed`
-    /// 16 × 80 from memory went from 3.4 to 2.4 ms per step on one thread (16 × 500: 17.8 →
-    /// 13.3 ms), and a 2-thread batch-16 decode step 4–6 % faster (BENCHMARKS.md).
-    #[inline(always)]
-    unsafe fn prefetch_slots(
-        att: &KvHeadAttention,
-        pages: &[&[f16]],
-        page: usize,
-        slots: std::ops::Range<usize>,
-    ) {
-        let (Some(page_values), Some(written)) = (pages.get(page), att.written_slots(page, slots))
-        else {
-            return;
-        };
-        let start = page_values.as_ptr().wrapping_add(written.start) as *const i8;
-        for offset in (0..written.len() * size_of::<f16>()).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T1>(start.wrapping_add(offset));
-        }
-    }
-
-    /// As the scores pass goes through slots `slots` of `page`: asks for the same slots'
-    /// keys `KEY_PAGES_AHEAD` pages on, and for this page's values, which `mix` reads after
-    /// the softmax.
-    #[inline(always)]
-    unsafe fn prefetch_while_scoring(
-        att: &KvHeadAttention,
-        page: usize,
-        slots: std::ops::Range<usize>,
-    ) {
-        prefetch_slots(att, att.keys, page + KEY_PAGES_AHEAD, slots.clone());
-        prefetch_slots(att, att.values, page, slots);
-    }
-
-    /// `probs[g * len + pos] = scale · (q_g · key_pos)` for the G heads of `q`.
+    /// `probs[g * len + pos] = scale · (q_g · key_pos)` for the heads of `q`, each dot
+    /// product `attention::score_dot`, 8 keys per register. A head at a time: the 8 lane
+    /// sums of three heads would not fit in 16 registers.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; `att` passed `KvHeadAttention::check` with
-    /// `head_dim` a multiple of 8; `q` holds G heads and `probs` G × `len` values.
+    /// `head_dim` a multiple of 8; `q` holds whole heads and `probs` `len` values for each.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores<const G: usize>(
+    pub(super) unsafe fn scores_of_heads(att: &KvHeadAttention, q: &[f32], probs: &mut [f32]) {
+        let (hd, len) = (att.head_dim, att.len);
+        assert!(
+            q.len().is_multiple_of(hd) && probs.len() == q.len() / hd * len,
+            "whole heads"
+        );
+        for (q, probs) in q.chunks_exact(hd).zip(probs.chunks_exact_mut(len)) {
+            scores_of_head(att, q, probs);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_of_head(att: &KvHeadAttention, q: &[f32], probs: &mut [f32]) {
+        let (hd, len, ps) = (att.head_dim, att.len, att.page_size);
+        let scale = _mm256_set1_ps(att.scale);
+        for run in att.key_runs(8) {
+            let written = (len - run.page * ps).min(ps);
+            let pairs = (written / 4 * 4).saturating_sub(run.slot).min(run.n);
+            if run.n < 8 || pairs < run.n {
+                // A run shorter than a register, or one with keys that fold in halves: the
+                // same sums, one key at a time.
+                score_keys_one_by_one(att, q, probs, run);
+                continue;
+            }
+            let keys = att.keys[run.page].as_ptr().add(run.slot);
+            let prefetch = RunPrefetch::new(att, run);
+            let mut l = [_mm256_setzero_ps(); 8];
+            for c in 0..hd / 8 {
+                // The page ahead is `hd / 2` lines: four per step.
+                for line in 4 * c..4 * c + 4 {
+                    prefetch.line(line);
+                }
+                for (lane, sum) in l.iter_mut().enumerate() {
+                    let d = 8 * c + lane;
+                    let k = _mm256_cvtph_ps(_mm_loadu_si128(keys.add(d * ps) as *const __m128i));
+                    *sum = _mm256_fmadd_ps(_mm256_set1_ps(*q.get_unchecked(d)), k, *sum);
+                }
+            }
+            let add = |a, b| _mm256_add_ps(a, b);
+            let dot = add(
+                add(add(l[0], l[1]), add(l[2], l[3])),
+                add(add(l[4], l[5]), add(l[6], l[7])),
+            );
+            let dst = probs.as_mut_ptr().add(run.pos(ps));
+            _mm256_storeu_ps(dst, _mm256_mul_ps(dot, scale));
+        }
+    }
+
+    /// The keys of `run` one at a time, in the same arithmetic.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn score_keys_one_by_one(
         att: &KvHeadAttention,
         q: &[f32],
         probs: &mut [f32],
+        run: KeyRun,
     ) {
-        let (hd, len) = (att.head_dim, att.len);
-        assert!(q.len() == G * hd && probs.len() == G * len, "G heads");
-        let scale = _mm_set1_ps(att.scale);
-        let q = q.as_ptr();
-        let pages = len.div_ceil(att.page_size);
-        for page in 0..KEY_PAGES_AHEAD {
-            prefetch_slots(att, att.keys, page, 0..att.page_size);
+        let ps = att.page_size;
+        let keys = att.keys[run.page];
+        let written = (att.len - run.page * ps).min(ps);
+        for slot in run.slot..run.slot + run.n {
+            let key = |d| keys[crate::attention::key_index(ps, slot, d)].to_f32();
+            let dot = score_dot(q, key, Fold::of_slot(slot, written));
+            probs[run.pos(ps) + slot - run.slot] = dot * att.scale;
         }
-        for (page, keys) in att.keys.iter().enumerate().take(pages) {
-            let first = page * att.page_size;
-            let slots = (len - first).min(att.page_size);
-            let keys = keys.as_ptr();
-            let mut i = 0;
-            // Four keys per pass: each key chunk is widened once for the G heads, and one
-            // reduction tree finishes four dot products per head.
-            while i + 4 <= slots {
-                prefetch_while_scoring(att, page, i..i + 4);
-                let mut acc = [[_mm256_setzero_ps(); 4]; G];
-                for c in (0..hd).step_by(8) {
-                    for k in 0..4 {
-                        let key = keys.add((i + k) * hd + c) as *const __m128i;
-                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(key));
-                        for (g, acc) in acc.iter_mut().enumerate() {
-                            let qv = _mm256_loadu_ps(q.add(g * hd + c));
-                            acc[k] = _mm256_fmadd_ps(qv, kv, acc[k]);
-                        }
-                    }
-                }
-                for (g, acc) in acc.iter().enumerate() {
-                    let h = _mm256_hadd_ps(
-                        _mm256_hadd_ps(acc[0], acc[1]),
-                        _mm256_hadd_ps(acc[2], acc[3]),
-                    );
-                    let sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-                    let dst = probs.as_mut_ptr().add(g * len + first + i);
-                    _mm_storeu_ps(dst, _mm_mul_ps(sums, scale));
-                }
-                i += 4;
-            }
-            while i < slots {
-                prefetch_while_scoring(att, page, i..i + 1);
-                let mut acc = [_mm256_setzero_ps(); G];
-                for c in (0..hd).step_by(8) {
-                    let key = keys.add(i * hd + c) as *const __m128i;
-                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(key));
-                    for (g, acc) in acc.iter_mut().enumerate() {
-                        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(g * hd + c)), kv, *acc);
-                    }
-                }
-                for (g, acc) in acc.iter().enumerate() {
-                    probs[g * len + first + i] = hsum(*acc) * att.scale;
-                }
-                i += 1;
-            }
+    }
+
+    /// The mix for the heads of `out` (one to `HEADS_PER_PASS`).
+    ///
+    /// # Safety
+    /// As `scores_of_heads`, with `probs` `len` values and `out` an output head for each head.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mix_of_heads(att: &KvHeadAttention, probs: &[f32], out: &mut [f32]) {
+        match probs.len() / att.len {
+            3 => mix::<3>(att, probs, out),
+            2 => mix::<2>(att, probs, out),
+            _ => mix::<1>(att, probs, out),
         }
     }
 
     /// `out[g] = Σ_pos probs[g * len + pos] · value_pos` for the G heads of `out`, 32 values
     /// of each head per pass so the sums stay in registers. Each output value is one chain
-    /// of FMAs in position order, whatever G is. The values were requested during `scores`.
+    /// of FMAs in position order, whatever G is.
     ///
     /// # Safety
     /// As `scores`, with `probs` G × `len` values and `out` G heads.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn mix<const G: usize>(
-        att: &KvHeadAttention,
-        probs: &[f32],
-        out: &mut [f32],
-    ) {
+    unsafe fn mix<const G: usize>(att: &KvHeadAttention, probs: &[f32], out: &mut [f32]) {
         let (hd, len) = (att.head_dim, att.len);
         assert!(out.len() == G * hd && probs.len() == G * len, "G heads");
         for part in (0..hd).step_by(32) {

@@ -317,6 +317,33 @@ pub(crate) mod x86_512 {
         }
     }
 
+    /// `x[i] = expf(x[i] − shift)`, and the f64 sums of the results in 16 lanes: lane l adds
+    /// the values at indices ≡ l (mod 16), in index order (`ops::attention_softmax_rows`).
+    ///
+    /// # Safety
+    /// The CPU must support avx512f.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp_shifted_lane_sums(x: &mut [f32], shift: f32) -> [f64; 16] {
+        let table = table();
+        let shift = _mm512_set1_ps(shift);
+        let (mut low, mut high) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        for chunk in x.chunks_mut(16) {
+            // Masked loads and stores touch only the chunk's lanes; the others add +0.
+            let lanes = first_lanes(chunk.len());
+            let v = _mm512_maskz_loadu_ps(lanes, chunk.as_ptr());
+            let e = _mm512_maskz_mov_ps(lanes, exp16_with(_mm512_sub_ps(v, shift), &table));
+            _mm512_mask_storeu_ps(chunk.as_mut_ptr(), lanes, e);
+            let halves = _mm512_castps_pd(e);
+            low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(halves));
+            high = _mm512_add_pd(high, _mm512_cvtps_pd(upper));
+        }
+        let mut sums = [0f64; 16];
+        _mm512_storeu_pd(sums.as_mut_ptr(), low);
+        _mm512_storeu_pd(sums.as_mut_ptr().add(8), high);
+        sums
+    }
+
     /// `gate[i] = gate[i] / (1 + expf(−gate[i])) · up[i]`, the scalar SwiGLU's operations.
     ///
     /// # Safety

@@ -430,8 +430,8 @@ fn dot(build: Build, kind: DotKind, x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// One query head's attention over `len` positions of K/V held in pages of `page_size`
-/// positions (`keys[p]`, `values[p]`: that page's slots for this head, `head_dim` f16 each),
-/// as llama.cpp computes it without flash attention: Q rounded to f16, `K·Q`, scaled
+/// positions (`keys[p]`, `values[p]`: that page's slots for this head, keys dimension-major
+/// and values slot-major as `KvHeadAttention` holds them), as llama.cpp computes it without flash attention: Q rounded to f16, `K·Q`, scaled
 /// softmax, probabilities rounded to f16, `V·p`.
 pub struct HeadAttention<'a> {
     pub keys: &'a [&'a [f16]],
@@ -445,10 +445,11 @@ pub struct HeadAttention<'a> {
 }
 
 impl HeadAttention<'_> {
+    /// The value at position `pos` (values are slot-major).
     #[inline(always)]
-    fn slot<'s>(&self, pages: &[&'s [f16]], pos: usize) -> &'s [f16] {
+    fn value_slot(&self, pos: usize) -> &[f16] {
         let (page, slot) = (pos / self.page_size, pos % self.page_size);
-        &pages[page][slot * self.head_dim..][..self.head_dim]
+        &self.values[page][slot * self.head_dim..][..self.head_dim]
     }
 
     /// Writes the head's output (`head_dim` values) for query `q`.
@@ -481,7 +482,8 @@ impl HeadAttention<'_> {
         let mut key = vec![0f32; self.head_dim];
         let mut scores = vec![0f32; self.len.div_ceil(w) * w];
         for (pos, score) in scores[..self.len].iter_mut().enumerate() {
-            self.slot(self.keys, pos).convert_to_f32_slice(&mut key);
+            let (page, slot) = (pos / self.page_size, pos % self.page_size);
+            crate::attention::load_key(self.keys[page], self.page_size, slot, &mut key);
             *score = dot(self.build, kind, &key, &q16) * self.scale;
         }
         scores
@@ -524,7 +526,7 @@ impl HeadAttention<'_> {
         let mut acc = vec![0f32; registers * w * head_dim];
         let mut value = vec![0f32; head_dim];
         for (pos, &p) in probs[..self.len].iter().enumerate() {
-            self.slot(self.values, pos).convert_to_f32_slice(&mut value);
+            self.value_slot(pos).convert_to_f32_slice(&mut value);
             let register = match self.kind {
                 DotKind::Gemm => 0,
                 DotKind::Vector => (pos % (4 * w)) / w,

@@ -11,6 +11,8 @@
 //! fixed-size chunks) and returns numbers.
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_avx512;
 mod avx2;
 mod backend;
 mod expf;
@@ -24,13 +26,13 @@ mod vnni;
 mod workers;
 mod xxh3;
 
-pub use attention::KvHeadAttention;
+pub use attention::{key_index, load_key, store_key, KvHeadAttention};
 pub use backend::Backend;
 pub use expf::expf;
 pub use matrix::{QuantMatrix, WeightFormat};
 pub use ops::{
     add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rms_norm_rows, rope_in_place,
-    silu_mul, softmax_in_place, softmax_rows_in_place, RopeTable,
+    silu_mul, softmax_in_place, RopeTable,
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::Workers;

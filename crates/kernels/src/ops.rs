@@ -43,7 +43,7 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rows whose f64 chains [`rms_norm_rows`] and [`softmax_rows_in_place`] run side by side.
+/// Rows whose f64 chains [`rms_norm_rows`] runs side by side.
 const SIDE_BY_SIDE: usize = 4;
 
 /// For each `width`-wide row of `x` (at most [`SIDE_BY_SIDE`] rows): Σ term(v) in f64, in
@@ -122,28 +122,51 @@ pub fn softmax_in_place(backend: Backend, x: &mut [f32]) {
     }
 }
 
-/// Softmax of each `len`-wide row of `rows` in place, each row's bits those of
-/// [`softmax_in_place`]. Each row's f64 sum is a chain of dependent adds in index order (the
-/// reference's order, so its bits); the rows' chains run side by side here instead of one
-/// after another, so they overlap rather than each waiting on add latency.
-pub fn softmax_rows_in_place(backend: Backend, rows: &mut [f32], len: usize) {
+/// Attention's softmax of each `len`-wide row of `rows` in place, each probability then
+/// rounded to f16 (the reference multiplies them by V in f16). Every backend gets the same
+/// bits: the row's max; `expf` of each score less it; the f64 sum of those in 16 lanes
+/// (lane l adds the indices ≡ l mod 16 in order), folded as a tree (lanes l and l + 8, then
+/// l + 4, l + 2, l + 1); each value times the f32 inverse of that sum. Unlike
+/// [`softmax_in_place`]'s one chain of adds in index order, the lanes do not wait on each
+/// other.
+pub(crate) fn attention_softmax_rows(backend: Backend, rows: &mut [f32], len: usize) {
     assert!(
         len > 0 && rows.len().is_multiple_of(len),
         "whole rows of {len} values"
     );
-    for group in rows.chunks_mut(SIDE_BY_SIDE * len) {
-        for row in group.chunks_exact_mut(len) {
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            exp_shifted(backend, row, max);
+    #[cfg(target_arch = "x86_64")]
+    if backend == Backend::Avx512Vnni && crate::backend::has_avx512_vnni() {
+        for row in rows.chunks_exact_mut(len) {
+            // SAFETY: the CPU has avx512f, bw, vl and f16c (checked just above).
+            unsafe { crate::attention_avx512::softmax_row_to_f16(row) };
         }
-        let sums = row_sums(group, len, |v| v as f64);
-        for (row, sum) in group.chunks_exact_mut(len).zip(sums) {
-            let inv = (1.0 / sum) as f32;
-            for v in row.iter_mut() {
-                *v *= inv;
+        return;
+    }
+    for row in rows.chunks_exact_mut(len) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        exp_shifted(backend, row, max);
+        let mut lanes = [0f64; 16];
+        for chunk in row.chunks(16) {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                *lane += v as f64;
             }
         }
+        let inv = (1.0 / fold_lanes(lanes)) as f32;
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+        crate::avx2::round_through_f16_in_place(row);
     }
+}
+
+/// The tree [`attention_softmax_rows`] folds its 16 lane sums by.
+pub(crate) fn fold_lanes(mut lanes: [f64; 16]) -> f64 {
+    for half in [8, 4, 2, 1] {
+        for i in 0..half {
+            lanes[i] += lanes[i + half];
+        }
+    }
+    lanes[0]
 }
 
 /// `x[i] = e^(x[i] − shift)`.
@@ -165,26 +188,45 @@ fn exp_shifted(backend: Backend, x: &mut [f32], shift: f32) {
     }
 }
 
-/// `scores[i] = scale * (q · keys[i])` for each `q.len()`-wide key in `keys` (f16, the KV
-/// cache's element type); `scores.len()` keys are read.
+/// `scores[i] = scale * (q · key_i)` for the first `scores.len()` keys of one head's keys of
+/// a page of `page_size` slots, held dimension-major (`attention::key_index`; f16, the KV
+/// cache's element type), `scores.len()` being the page's written slots. Each dot product is
+/// `attention::score_dot`, the arithmetic of every SIMD attention kernel, so the bits are
+/// theirs on every backend.
 pub fn attention_scores_f16(
     backend: Backend,
     q: &[f32],
     keys: &[f16],
+    page_size: usize,
     scale: f32,
     scores: &mut [f32],
 ) {
     assert!(
-        keys.len() >= scores.len() * q.len(),
-        "a key for every score"
+        scores.len() <= page_size && keys.len() >= page_size * q.len(),
+        "a key for every score, in a whole page"
     );
-    match backend {
-        Backend::Scalar | Backend::GgmlExact | Backend::GgmlExactAvx2 => {
-            for (score, key) in scores.iter_mut().zip(keys.chunks_exact(q.len())) {
-                *score = scalar::dot_f16(q, key) * scale;
-            }
+    // `mul_add` rounds once whatever the CPU: the hardware instruction only makes it fast.
+    let _ = backend;
+    #[cfg(target_arch = "x86_64")]
+    if crate::backend::has_avx2() {
+        #[target_feature(enable = "fma,f16c")]
+        unsafe fn fused(q: &[f32], keys: &[f16], page_size: usize, scale: f32, out: &mut [f32]) {
+            scores_in_lanes(q, keys, page_size, scale, out)
         }
-        Backend::Avx2 | Backend::Avx512Vnni => avx2::scores_f16(q, keys, scale, scores),
+        // SAFETY: the CPU has fma and f16c (checked just above).
+        unsafe { fused(q, keys, page_size, scale, scores) };
+        return;
+    }
+    scores_in_lanes(q, keys, page_size, scale, scores)
+}
+
+#[inline(always)]
+fn scores_in_lanes(q: &[f32], keys: &[f16], page_size: usize, scale: f32, out: &mut [f32]) {
+    let written = out.len();
+    for (slot, score) in out.iter_mut().enumerate() {
+        let key = |d| keys[crate::attention::key_index(page_size, slot, d)].to_f32();
+        let fold = crate::attention::Fold::of_slot(slot, written);
+        *score = crate::attention::score_dot(q, key, fold) * scale;
     }
 }
 

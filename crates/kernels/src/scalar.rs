@@ -81,10 +81,6 @@ pub(crate) fn dequantize_q80(block: &Q80GroupBlock, row: usize, out: &mut [f32])
     }
 }
 
-pub(crate) fn dot_f16(q: &[f32], k: &[f16]) -> f32 {
-    q.iter().zip(k).map(|(a, b)| a * b.to_f32()).sum()
-}
-
 pub(crate) fn axpy_f16(out: &mut [f32], weight: f32, v: &[f16]) {
     for (o, x) in out.iter_mut().zip(v) {
         *o += weight * x.to_f32();

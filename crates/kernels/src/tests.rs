@@ -437,27 +437,28 @@ fn attention_scores_and_mix_agree_with_plain_arithmetic_on_every_backend() {
     let mut rng = SplitMix64::new(10);
     for (width, count) in [(8, 5), (64, 5), (64, 16), (67, 3), (16, 9)] {
         let q: Vec<f32> = (0..width).map(|_| rng.signed_f32()).collect();
-        let keys: Vec<f16> = (0..width * count)
+        // One page of `count` slots: the keys dimension-major, the values slot-major.
+        let cache: Vec<f16> = (0..width * count)
             .map(|_| f16::from_f32(rng.signed_f32()))
             .collect();
         let weights: Vec<f32> = (0..count).map(|_| rng.signed_f32().abs()).collect();
         for backend in Backend::available() {
             let mut scores = vec![0f32; count];
-            attention_scores_f16(backend, &q, &keys, 0.5, &mut scores);
+            attention_scores_f16(backend, &q, &cache, count, 0.5, &mut scores);
             for (i, score) in scores.iter().enumerate() {
-                let key = &keys[i * width..(i + 1) * width];
-                let want: f32 = q.iter().zip(key).map(|(a, b)| a * b.to_f32()).sum::<f32>() * 0.5;
+                let key = (0..width).map(|d| cache[crate::key_index(count, i, d)].to_f32());
+                let want: f32 = q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * 0.5;
                 assert!(
                     (score - want).abs() < 1e-4,
                     "{backend:?} width {width}: {score} vs {want}"
                 );
             }
             let mut out = vec![1f32; width];
-            attention_mix_f16(backend, &weights, &keys, &mut out);
+            attention_mix_f16(backend, &weights, &cache, &mut out);
             for (d, o) in out.iter().enumerate() {
                 let want: f32 = 1.0
                     + (0..count)
-                        .map(|i| f16::from_f32(weights[i]).to_f32() * keys[i * width + d].to_f32())
+                        .map(|i| f16::from_f32(weights[i]).to_f32() * cache[i * width + d].to_f32())
                         .sum::<f32>();
                 assert!(
                     (o - want).abs() < 1e-4,
@@ -545,8 +546,8 @@ fn silu_and_softmax_bits_are_the_same_on_every_backend() {
         };
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let (silu, probs) = run(Backend::Scalar);
-        // Six rows softmaxed together (a group of four side by side, then two), each its own
-        // values: the one above, then shifted copies.
+        // Attention's softmax: six rows at once, each its own values (the ones above, then
+        // shifted copies), with the probabilities rounded to f16.
         let rows: Vec<f32> = (0..6)
             .flat_map(|r| finite.iter().map(move |v| v + r as f32 * 0.37))
             .collect();
@@ -554,20 +555,26 @@ fn silu_and_softmax_bits_are_the_same_on_every_backend() {
             .chunks(len)
             .flat_map(|row| {
                 let mut row = row.to_vec();
-                softmax_in_place(Backend::Scalar, &mut row);
+                crate::ops::attention_softmax_rows(Backend::Scalar, &mut row, len);
                 row
             })
             .collect();
+        // Within an f16 rounding of the plain softmax.
+        let mut plain = rows[..len].to_vec();
+        softmax_in_place(Backend::Scalar, &mut plain);
+        for (i, (&a, &p)) in rows_alone.iter().zip(&plain).enumerate() {
+            assert!((a - p).abs() <= p.abs() / 1024.0 + 1e-7, "[{i}] {a} vs {p}");
+        }
         for backend in Backend::available() {
             let (s, p) = run(backend);
             assert_eq!(bits(&s), bits(&silu), "{backend:?} SwiGLU, length {len}");
             assert_eq!(bits(&p), bits(&probs), "{backend:?} softmax, length {len}");
             let mut together = rows.clone();
-            softmax_rows_in_place(backend, &mut together, len);
+            crate::ops::attention_softmax_rows(backend, &mut together, len);
             assert_eq!(
                 bits(&together),
                 bits(&rows_alone),
-                "{backend:?} softmax of rows side by side, length {len}"
+                "{backend:?} attention softmax, length {len}"
             );
         }
     }
@@ -629,10 +636,12 @@ fn ggml_exact_q41_simd_equals_portable() {
     assert_eq!(bits(&via_matrix), bits(&portable));
 }
 
-/// K/V pages for `len` positions of one head (`page_size` slots each), random; the slots past
-/// `len` hold NaN, so a kernel that read one would give NaN.
+/// K or V pages for `len` positions of one head (`page_size` slots each, laid out as
+/// `KvHeadAttention` reads that kind), random; the slots past `len` hold NaN, so a kernel
+/// that read one would give NaN.
 fn random_pages(
     rng: &mut SplitMix64,
+    kind: Kind,
     len: usize,
     page_size: usize,
     head_dim: usize,
@@ -645,9 +654,28 @@ fn random_pages(
         })
         .collect();
     let last = pages.len() - 1;
-    let written = (len - last * page_size) * head_dim;
-    pages[last][written..].fill(f16::NAN);
+    for slot in len - last * page_size..page_size {
+        for d in 0..head_dim {
+            pages[last][kind.index(page_size, head_dim, slot, d)] = f16::NAN;
+        }
+    }
     pages
+}
+
+/// Which half of the cache a page holds: keys dimension-major, values slot-major.
+#[derive(Clone, Copy)]
+enum Kind {
+    Keys,
+    Values,
+}
+
+impl Kind {
+    fn index(self, page_size: usize, head_dim: usize, slot: usize, d: usize) -> usize {
+        match self {
+            Kind::Keys => crate::key_index(page_size, slot, d),
+            Kind::Values => slot * head_dim + d,
+        }
+    }
 }
 
 /// Grouped attention: every backend within float tolerance of the plain per-head arithmetic
@@ -667,9 +695,19 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
         (32, 3, 16, 5),
         (24, 3, 4, 11),
         (20, 3, 4, 9),
+        // Many registers of keys: whole passes and a last partial one, for each group size.
+        (64, 3, 16, 300),
+        (64, 2, 16, 190),
+        (64, 1, 16, 205),
+        // Runs shorter than an AVX-512 register (pages of 8), longer pages, two mix passes of
+        // AVX-512, and a head size only AVX2 takes.
+        (64, 3, 8, 77),
+        (64, 3, 32, 100),
+        (128, 3, 16, 50),
+        (48, 3, 16, 40),
     ] {
-        let keys = random_pages(&mut rng, len, page_size, head_dim);
-        let values = random_pages(&mut rng, len, page_size, head_dim);
+        let keys = random_pages(&mut rng, Kind::Keys, len, page_size, head_dim);
+        let values = random_pages(&mut rng, Kind::Values, len, page_size, head_dim);
         let key_pages: Vec<&[f16]> = keys.iter().map(Vec::as_slice).collect();
         let value_pages: Vec<&[f16]> = values.iter().map(Vec::as_slice).collect();
         let attention = KvHeadAttention {
@@ -689,8 +727,18 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
             out
         };
         let plain = run_all(Backend::Scalar);
+        let mut simd_bits: Option<Vec<u32>> = None;
         for backend in Backend::available() {
             let grouped = run_all(backend);
+            if backend != Backend::Scalar {
+                // AVX2 and AVX-512 run the same chains of FMAs: the same bits.
+                let bits: Vec<u32> = grouped.iter().map(|v| v.to_bits()).collect();
+                let first = simd_bits.get_or_insert_with(|| bits.clone());
+                assert!(
+                    *first == bits,
+                    "{backend:?} head_dim {head_dim} len {len}: bits differ from AVX2's"
+                );
+            }
             let mut one_by_one = vec![0f32; queries.len()];
             for (q, out) in queries
                 .chunks_exact(head_dim)
@@ -721,10 +769,10 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
     }
 }
 
-/// What attention prefetches of a page is exactly its slots that hold positions below `len`,
-/// among those asked for: never a slot past `len`, which may hold an earlier owner's bytes.
+/// Attention prefetches only pages whose every slot holds a position below `len`: a slot
+/// past it may hold an earlier owner's bytes.
 #[test]
-fn written_slots_stop_at_the_last_written_position() {
+fn only_whole_pages_count_as_full() {
     let (page_size, head_dim) = (8, 4);
     let no_pages: Vec<&[f16]> = Vec::new();
     for len in 1..=30 {
@@ -737,23 +785,10 @@ fn written_slots_stop_at_the_last_written_position() {
             scale: 1.0,
         };
         for page in 0..6 {
-            for start in 0..=page_size {
-                for end in start..=page_size + 2 {
-                    let written: Vec<usize> = (start..end.min(page_size))
-                        .filter(|slot| page * page_size + slot < len)
-                        .collect();
-                    let expected = match (written.first(), written.last()) {
-                        (Some(&a), Some(&b)) => Some(a * head_dim..(b + 1) * head_dim),
-                        _ => None,
-                    };
-                    assert_eq!(
-                        att.written_slots(page, start..end),
-                        expected,
-                        "len {len}, page {page}, slots {start}..{end}"
-                    );
-                }
-            }
+            let full = (0..page_size).all(|slot| page * page_size + slot < len);
+            assert_eq!(att.page_is_full(page), full, "len {len}, page {page}");
         }
-        assert_eq!(att.written_slots(usize::MAX, 0..1), None, "no overflow");
+        assert!(!att.page_is_full(usize::MAX), "no overflow");
+        assert!(!att.page_is_full(usize::MAX / page_size), "no overflow");
     }
 }

@@ -90,9 +90,11 @@ impl OracleModel {
         let page_size = view.layout().page_size_tokens;
         let (page, slot) = (position / page_size, position % page_size);
         let range = slot * HEAD_DIM..(slot + 1) * HEAD_DIM;
-        let key = &mut view.head_mut(page, 0, KvKind::Key, 0)[range.clone()];
-        for (dst, &word) in key.iter_mut().zip(words) {
-            *dst = f16::from_bits(word);
+        // Keys dimension-major, values slot-major: the real model's page layout, which the
+        // engine's blanking of unwritten slots follows.
+        let keys = view.head_mut(page, 0, KvKind::Key, 0);
+        for (d, &word) in words.iter().enumerate() {
+            keys[kernels::key_index(page_size, slot, d)] = f16::from_bits(word);
         }
         let value = &mut view.head_mut(page, 0, KvKind::Value, 0)[range];
         for (dst, &word) in value.iter_mut().zip(words) {
@@ -104,9 +106,9 @@ impl OracleModel {
         let page_size = view.layout().page_size_tokens;
         let (page, slot) = (position / page_size, position % page_size);
         let range = slot * HEAD_DIM..(slot + 1) * HEAD_DIM;
-        let key: Vec<u16> = view.head(page, 0, KvKind::Key, 0)[range.clone()]
-            .iter()
-            .map(|w| w.to_bits())
+        let keys = view.head(page, 0, KvKind::Key, 0);
+        let key: Vec<u16> = (0..HEAD_DIM)
+            .map(|d| keys[kernels::key_index(page_size, slot, d)].to_bits())
             .collect();
         let value_matches = view.head(page, 0, KvKind::Value, 0)[range]
             .iter()
@@ -338,8 +340,12 @@ mod tests {
                     KvKind::Value
                 };
                 // Slot 2 of page 0: flip one bit of one word.
+                let page_size = views[0].layout().page_size_tokens;
                 let head = views[0].head_mut(0, 0, kind, 0);
-                let at = 2 * HEAD_DIM + word % HEAD_DIM;
+                let at = match kind {
+                    KvKind::Key => kernels::key_index(page_size, 2, word),
+                    KvKind::Value => 2 * HEAD_DIM + word % HEAD_DIM,
+                };
                 head[at] = f16::from_bits(head[at].to_bits() ^ 0x0100);
             }
             let logits = model

@@ -126,7 +126,7 @@ pub fn start_worker_on(
         name: config.name.clone(),
         model_id: config.model_id.clone(),
         weights_hash: config.weights_hash,
-        kv_dtype: "f16".into(),
+        kv_dtype: config::KV_DTYPE.into(),
         layer_count: shape.layer_count as u32,
         kv_head_count: shape.kv_head_count as u32,
         head_dim: shape.head_dim as u32,

@@ -256,7 +256,7 @@ fn the_router_refuses_a_worker_that_differs_in_any_field_and_serves_with_the_res
         name: "impostor".into(),
         model_id: MODEL.into(),
         weights_hash: file.weights_hash,
-        kv_dtype: "f16".into(),
+        kv_dtype: config::KV_DTYPE.into(),
         layer_count: file.config.layer_count as u32,
         kv_head_count: file.config.kv_head_count as u32,
         head_dim: file.config.head_dim as u32,
@@ -336,7 +336,7 @@ fn the_router_refuses_a_worker_that_differs_in_any_field_and_serves_with_the_res
         let expect = Expectation {
             model_id: MODEL.into(),
             weights_hash: good.weights_hash,
-            kv_dtype: "f16".into(),
+            kv_dtype: config::KV_DTYPE.into(),
             page_size_tokens: 16,
             layer_count: good.layer_count,
             kv_head_count: good.kv_head_count,

@@ -248,7 +248,7 @@ pub fn start(options: Options) -> TestServer {
     let expect = Expectation {
         model_id: MODEL.into(),
         weights_hash: file.weights_hash,
-        kv_dtype: "f16".into(),
+        kv_dtype: config::KV_DTYPE.into(),
         page_size_tokens: options.page_size as u32,
         layer_count: layout.layer_count as u32,
         kv_head_count: layout.kv_head_count as u32,

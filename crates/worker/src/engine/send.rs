@@ -271,14 +271,19 @@ pub(super) fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, toke
     if used == 0 {
         return;
     }
-    let slot_bytes = layout.head_dim * 2;
+    let (page_size, head_dim) = (layout.page_size_tokens, layout.head_dim);
     for layer in 0..layout.layer_count {
-        for kind in [kv::KvKind::Key, kv::KvKind::Value] {
-            for kv_head in 0..layout.kv_head_count {
-                let start = layout.head_offset(layer, kind, kv_head) * 2;
-                let end = start + layout.page_size_tokens * slot_bytes;
-                page[start + used * slot_bytes..end].fill(0);
+        for kv_head in 0..layout.kv_head_count {
+            // Keys are dimension-major (`kernels::key_index`): each dimension's row of slots
+            // ends in unwritten ones.
+            let keys = layout.head_offset(layer, kv::KvKind::Key, kv_head) * 2;
+            for d in 0..head_dim {
+                let row = keys + kernels::key_index(page_size, 0, d) * 2;
+                page[row + used * 2..row + page_size * 2].fill(0);
             }
+            // Values are slot-major: the unwritten slots are one run at the end.
+            let values = layout.head_offset(layer, kv::KvKind::Value, kv_head) * 2;
+            page[values + used * head_dim * 2..values + page_size * head_dim * 2].fill(0);
         }
     }
 }

@@ -675,18 +675,34 @@ fn only_the_slots_past_the_transfer_are_blanked() {
     let mut page = vec![0xAAu8; layout.page_bytes()];
     // 6 tokens in pages of 4: the last page holds 2 written slots.
     blank_unwritten_slots(&mut page, &layout, 6);
-    let slot_bytes = layout.head_dim * 2;
-    let head_bytes = layout.page_size_tokens * slot_bytes;
-    for (head, region) in page.chunks(head_bytes).enumerate() {
-        assert!(
-            region[..2 * slot_bytes].iter().all(|&b| b == 0xAA),
-            "head {head}"
-        );
-        assert!(
-            region[2 * slot_bytes..].iter().all(|&b| b == 0),
-            "head {head}"
-        );
+    let (page_size, head_dim) = (layout.page_size_tokens, layout.head_dim);
+    let mut checked = 0;
+    for layer in 0..layout.layer_count {
+        for kv_head in 0..layout.kv_head_count {
+            for (kind, index) in [
+                (
+                    kv::KvKind::Key,
+                    kernels::key_index as fn(usize, usize, usize) -> usize,
+                ),
+                (kv::KvKind::Value, |_, slot, d| slot * 3 + d),
+            ] {
+                let head = layout.head_offset(layer, kind, kv_head);
+                for slot in 0..page_size {
+                    for d in 0..head_dim {
+                        let at = (head + index(page_size, slot, d)) * 2;
+                        let want = if slot < 2 { 0xAA } else { 0 };
+                        assert_eq!(
+                            page[at..at + 2],
+                            [want, want],
+                            "layer {layer} {kind:?} head {kv_head} slot {slot} dim {d}"
+                        );
+                        checked += 2;
+                    }
+                }
+            }
+        }
     }
+    assert_eq!(checked, page.len(), "every byte of the page is some slot's");
     // A full last page keeps everything.
     let mut full = vec![0xAAu8; layout.page_bytes()];
     blank_unwritten_slots(&mut full, &layout, 8);
