@@ -323,7 +323,7 @@ impl KvHeadAttention<'_> {
             let q: Vec<f32> = q.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
             for (page, scores) in scores.chunks_mut(self.page_size).enumerate() {
                 let keys = self.keys[page];
-                ops::attention_scores_f16(backend, &q, keys, self.page_size, self.scale, scores);
+                ops::attention_scores_f16(&q, keys, self.page_size, self.scale, scores);
             }
             ops::attention_softmax_rows(backend, &mut scores, self.len);
             out.fill(0.0);

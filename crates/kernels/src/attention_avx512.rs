@@ -22,8 +22,8 @@ pub(crate) const KERNELS: GroupedKernels = GroupedKernels {
 /// The CPU must support avx512f, bw, vl and f16c.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 pub(crate) unsafe fn softmax_row_to_f16(row: &mut [f32]) {
+    use crate::expf::x86_512::first_lanes as lanes;
     use std::arch::x86_64::*;
-    let lanes = |n: usize| ((1u32 << n.min(16)) - 1) as __mmask16;
     let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
     for chunk in row.chunks(16) {
         // SAFETY: a masked load reads only the chunk's lanes.
@@ -50,6 +50,7 @@ pub(crate) unsafe fn softmax_row_to_f16(row: &mut [f32]) {
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
     use crate::attention::{KvHeadAttention, RunPrefetch};
+    use crate::expf::x86_512::first_lanes;
     use std::arch::x86_64::*;
 
     /// `probs[g * len + pos] = scale · (q_g · key_pos)` for the heads of `q` (one to
@@ -119,12 +120,6 @@ mod x86 {
                 _mm512_mask_storeu_ps(dst, mask, _mm512_mul_ps(dot, scale));
             }
         }
-    }
-
-    /// The first `n` (at most 16) lanes.
-    #[inline(always)]
-    fn first_lanes(n: usize) -> __mmask16 {
-        ((1u32 << n) - 1) as __mmask16
     }
 
     /// The mix for the heads of `out` (one to `HEADS_PER_PASS`).

@@ -296,7 +296,7 @@ pub(crate) mod x86_512 {
 
     /// Mask of the first `n` (at most 16) lanes.
     #[inline(always)]
-    fn first_lanes(n: usize) -> __mmask16 {
+    pub(crate) fn first_lanes(n: usize) -> __mmask16 {
         ((1u32 << n) - 1) as __mmask16
     }
 

@@ -194,7 +194,6 @@ fn exp_shifted(backend: Backend, x: &mut [f32], shift: f32) {
 /// `attention::score_dot`, the arithmetic of every SIMD attention kernel, so the bits are
 /// theirs on every backend.
 pub fn attention_scores_f16(
-    backend: Backend,
     q: &[f32],
     keys: &[f16],
     page_size: usize,
@@ -205,8 +204,8 @@ pub fn attention_scores_f16(
         scores.len() <= page_size && keys.len() >= page_size * q.len(),
         "a key for every score, in a whole page"
     );
-    // `mul_add` rounds once whatever the CPU: the hardware instruction only makes it fast.
-    let _ = backend;
+    // `mul_add` rounds once whatever the CPU (so no backend to choose): the hardware
+    // instruction only makes it fast.
     #[cfg(target_arch = "x86_64")]
     if crate::backend::has_avx2() {
         #[target_feature(enable = "fma,f16c")]

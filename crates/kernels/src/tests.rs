@@ -444,7 +444,7 @@ fn attention_scores_and_mix_agree_with_plain_arithmetic_on_every_backend() {
         let weights: Vec<f32> = (0..count).map(|_| rng.signed_f32().abs()).collect();
         for backend in Backend::available() {
             let mut scores = vec![0f32; count];
-            attention_scores_f16(backend, &q, &cache, count, 0.5, &mut scores);
+            attention_scores_f16(&q, &cache, count, 0.5, &mut scores);
             for (i, score) in scores.iter().enumerate() {
                 let key = (0..width).map(|d| cache[crate::key_index(count, i, d)].to_f32());
                 let want: f32 = q.iter().zip(key).map(|(a, b)| a * b).sum::<f32>() * 0.5;
