@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs beyond Rust and the model: the official `openai` Python
+# Installs what the test suite needs beyond Rust and the model: the requantized test models
+# (scripts/fetch-test-models.sh), the official `openai` Python
 # client (the serving tests drive `airlock serve` with it), schemathesis (the OpenAPI fuzz
 # test, TEST-MATRIX A16, runs it against the served /openapi.json), lm-evaluation-harness
 # with its API extra (a log-likelihood task runs against `serve`; no torch), and a TrueType
@@ -26,6 +27,9 @@ if [ ! -f "$FONT" ]; then
         exit 1
     fi
 fi
+
+# The tensor-format tests' models: SmolLM2 requantized by llama.cpp's llama-quantize.
+"$(dirname "${BASH_SOURCE[0]}")/fetch-test-models.sh"
 
 installed() {
     python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" "$LM_EVAL_VERSION" 2>/dev/null <<'PY'

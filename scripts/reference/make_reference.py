@@ -15,6 +15,10 @@ eval()/argmax loop, so the Rust engine can be compared token by token.
 Needs: pip install llama-cpp-python==0.3.36 numpy   (not needed by CI/tests)
 Usage: python3 scripts/reference/make_reference.py [--model PATH] [--out DIR]
 
+For the requantized files of scripts/fetch-test-models.sh (tests/data/formats/<TYPE>/):
+  make_reference.py --model models/requant/SmolLM2-135M-Instruct.<TYPE>.gguf \
+      --out tests/data/formats/<TYPE> --top-logits 20
+
 tests/data/ holds a run on an AVX2 machine (logits too); tests/data/reference_avx512/
 holds reference.json of a run on an AVX-512 machine (--out /tmp/x, then copy the
 json): llama.cpp's own results differ between the two builds, and the tests use
@@ -203,6 +207,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--set", choices=sorted(SETS), default="core",
                     help="which prompts: the six core ones, or the second set")
+    ap.add_argument("--top-logits", type=int, metavar="N",
+                    help="store only the N largest first-step logits (ids and values) in the "
+                         "json instead of writing logits files (for the other model files)")
     args = ap.parse_args()
 
     import llama_cpp  # imported late so --help works without it
@@ -234,8 +241,10 @@ def main() -> int:
     if isinstance(effective.get("flash_attn_type"), int):
         effective["flash_attn_type_name"] = fa_names.get(effective["flash_attn_type"], "?")
 
+    args.out.mkdir(parents=True, exist_ok=True)
     logits_dir = args.out / "reference_logits"
-    logits_dir.mkdir(parents=True, exist_ok=True)
+    if args.top_logits is None:
+        logits_dir.mkdir(parents=True, exist_ok=True)
 
     cases = []
     for p in SETS[args.set]:
@@ -253,7 +262,8 @@ def main() -> int:
         llm.eval(toks)
         first = last_logits(llama_cpp, llm)
         assert first.shape == (n_vocab,) and np.isfinite(first).all()
-        (logits_dir / f"{name}.f32").write_bytes(first.astype("<f4").tobytes())
+        if args.top_logits is None:
+            (logits_dir / f"{name}.f32").write_bytes(first.astype("<f4").tobytes())
 
         out, margins, logits = [], [], first
         for step in range(N_NEW):
@@ -279,11 +289,15 @@ def main() -> int:
             "greedy_text": detok(llm, out),
             "eos_positions": [i for i, t in enumerate(out) if t == eos],
             "top1_top2_margins": [round(m, 6) for m in margins],
-            "first_logits_file": f"reference_logits/{name}.f32",
             "first_logits_sha256": hashlib.sha256(first.astype("<f4").tobytes()).hexdigest(),
             "first_logits_argmax": int(np.argmax(first)),
             "first_logits_max": float(first.max()),
         })
+        if args.top_logits is None:
+            case["first_logits_file"] = f"reference_logits/{name}.f32"
+        else:
+            top = np.argsort(first)[::-1][:args.top_logits]
+            case["first_logits_top"] = [[int(t), float(first[t])] for t in top]
         cases.append(case)
         print(f"{name}: {len(toks)} prompt tokens -> {case['greedy_text'][:80]!r}",
               file=sys.stderr)

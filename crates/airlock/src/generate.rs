@@ -79,6 +79,8 @@ pub fn run(args: Args) -> Result<()> {
         model.thread_count(),
         model.backend().name()
     );
+    // Which file formats became which compute layout, and how faithfully.
+    eprintln!("  weights: {}", model.weight_report().lines().join(", "));
 
     let text = if args.chat {
         let template = loaded

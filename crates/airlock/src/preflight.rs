@@ -51,7 +51,9 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The model's shape from its GGUF metadata, and its size on disk as the weights' size.
+/// The model's shape from its GGUF metadata, and the bytes its weights take in memory: each
+/// matrix in its format's compute layout (`kernels::TensorFormat::layout`), vectors as f32,
+/// and the file's size for tensors of a type Airlock does not load (it will refuse them).
 fn model_shape(model: &ModelArgs) -> Result<(ModelShape, u64)> {
     let path = model.resolve_model()?;
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -63,7 +65,25 @@ fn model_shape(model: &ModelArgs) -> Result<(ModelShape, u64)> {
         head_dim: config.head_dim as u64,
         context_length_max: config.context_length as u64,
     };
-    Ok((shape, bytes.len() as u64))
+    let weight_bytes = file
+        .tensors
+        .iter()
+        .map(|tensor| {
+            let values: u64 = tensor.dims.iter().product();
+            let format = tensor
+                .ggml_type
+                .name()
+                .and_then(kernels::TensorFormat::from_name);
+            match format {
+                Some(format) if tensor.dims.len() >= 2 => {
+                    values / 32 * format.layout().block_bytes() as u64
+                }
+                Some(_) => values * 4,
+                None => tensor.byte_len,
+            }
+        })
+        .sum();
+    Ok((shape, weight_bytes))
 }
 
 fn live_reports(url: &str, key: Option<&str>) -> Result<Vec<config::preflight::NodeReport>> {

@@ -504,6 +504,7 @@ fn load_worker(
         kv_pages = pool.page_count(),
         kv_mib = pool.bytes() >> 20,
         context_length,
+        weights = model.weight_report().lines().join(", "),
         "worker loaded"
     );
     let config = WorkerConfig {

@@ -2,7 +2,9 @@
 //! the CPU's features (cached by std) and falls back to the scalar kernel, so a wrong backend
 //! choice can cost speed but never correctness or safety.
 
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS};
+use crate::layout::{
+    GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q8OffsetGroupBlock, GROUP_ROWS,
+};
 use crate::scalar;
 use half::f16;
 
@@ -27,6 +29,44 @@ pub(crate) fn q41_group(group: &[Q41GroupBlock], mut job: GroupJob) {
         return;
     }
     scalar::q41_group(group, job)
+}
+
+pub(crate) fn q50_group(group: &[Q50GroupBlock], mut job: GroupJob) {
+    job.check(group.len(), GROUP_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    if cpu_ok() {
+        let mut token = job.tokens.start;
+        while token + 4 <= job.tokens.end {
+            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded the job.
+            unsafe { x86::q50_tokens::<4>(group, &mut job, token) };
+            token += 4;
+        }
+        for token in token..job.tokens.end {
+            // SAFETY: as above.
+            unsafe { x86::q50_tokens::<1>(group, &mut job, token) };
+        }
+        return;
+    }
+    scalar::q50_group(group, job)
+}
+
+pub(crate) fn q8_offset_group(group: &[Q8OffsetGroupBlock], mut job: GroupJob) {
+    job.check(group.len(), GROUP_ROWS);
+    #[cfg(target_arch = "x86_64")]
+    if cpu_ok() {
+        let mut token = job.tokens.start;
+        while token + 4 <= job.tokens.end {
+            // SAFETY: the CPU has avx2, fma and f16c; `GroupJob::check` bounded the job.
+            unsafe { x86::q8_offset_tokens::<4>(group, &mut job, token) };
+            token += 4;
+        }
+        for token in token..job.tokens.end {
+            // SAFETY: as above.
+            unsafe { x86::q8_offset_tokens::<1>(group, &mut job, token) };
+        }
+        return;
+    }
+    scalar::q8_offset_group(group, job)
 }
 
 pub(crate) fn q80_group(group: &[Q80GroupBlock], mut job: GroupJob) {
@@ -92,7 +132,10 @@ pub(crate) fn round_through_f16_in_place(x: &mut [f32]) {
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
     use crate::attention::{score_dot, Fold, KeyRun, KvHeadAttention, RunPrefetch};
-    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+    use crate::layout::{
+        GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q8OffsetGroupBlock, GROUP_ROWS,
+        Q41_LANE_ROW,
+    };
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -157,6 +200,169 @@ mod x86 {
             for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
                 job.put(first + n, row, lanes[lane]);
             }
+        }
+    }
+
+    /// The 8 lanes of `sums[r]` (row r's partial sums) added up, lane r holding row r's total.
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn row_totals(sums: &[__m256i; GROUP_ROWS]) -> __m256i {
+        let g0 = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(sums[0], sums[1]),
+            _mm256_hadd_epi32(sums[2], sums[3]),
+        );
+        let g1 = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(sums[4], sums[5]),
+            _mm256_hadd_epi32(sums[6], sums[7]),
+        );
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(g0, g1, 0x20),
+            _mm256_permute2x128_si256(g0, g1, 0x31),
+        )
+    }
+
+    /// 16 in each byte whose bit is set: byte j tests bit `j % 8` of `qh`'s byte `spread[j]`.
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn fifth_bits(
+        qh: __m256i,
+        spread: __m256i,
+        bit_of_byte: __m256i,
+        fifth: __m256i,
+    ) -> __m256i {
+        let picked = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit_of_byte);
+        _mm256_and_si256(_mm256_cmpeq_epi8(picked, bit_of_byte), fifth)
+    }
+
+    /// As `q41_tokens`, for Q5_0: the nibbles unpacked the same way, each value's fifth bit
+    /// (16) put in from `qh`, and `Σ (q − 16) · x` taken as `Σ q · x − 16 · Σ x` with the
+    /// activations' exact integer sum, so the integer sums are llama.cpp's.
+    ///
+    /// # Safety
+    /// As `q41_tokens`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q50_tokens<const N: usize>(
+        group: &[Q50GroupBlock],
+        job: &mut GroupJob,
+        first: usize,
+    ) {
+        let acts = job.acts;
+        let low_nibble = _mm256_set1_epi8(0x0F);
+        let fifth = _mm256_set1_epi8(0x10);
+        let ones = _mm256_set1_epi16(1);
+        // Byte j of a half tests bit j % 8 of qh byte `SPREAD[j]` (the half's row's qh).
+        let bit_of_byte = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let spread_low = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1,
+            1, 1, 1,
+        );
+        let spread_high = _mm256_add_epi8(spread_low, _mm256_set1_epi8(2));
+        let rows: [&[crate::ActBlock]; N] = std::array::from_fn(|n| acts.row(first + n));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, w) in group.iter().enumerate() {
+            let w_ptr = w.qs.as_ptr() as *const __m256i;
+            let mut lo = [_mm256_setzero_si256(); 4];
+            let mut hi = [_mm256_setzero_si256(); 4];
+            for pair in 0..4 {
+                let packed = _mm256_loadu_si256(w_ptr.add(pair));
+                // Rows 2·pair and 2·pair + 1 sit in lanes `pair` and 4 + pair of `qh`.
+                let qh = _mm256_setr_m128i(
+                    _mm_set1_epi32(w.qh[pair] as i32),
+                    _mm_set1_epi32(w.qh[4 + pair] as i32),
+                );
+                lo[pair] = _mm256_or_si256(
+                    _mm256_and_si256(packed, low_nibble),
+                    fifth_bits(qh, spread_low, bit_of_byte, fifth),
+                );
+                hi[pair] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibble),
+                    fifth_bits(qh, spread_high, bit_of_byte, fifth),
+                );
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
+            for n in 0..N {
+                let a = rows[n].get_unchecked(b);
+                let a_ptr = a.qs.as_ptr() as *const __m128i;
+                let act_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(a_ptr));
+                let act_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(a_ptr.add(1)));
+                let mut pair_sums = [_mm256_setzero_si256(); 4];
+                for pair in 0..4 {
+                    // u5 × i8 pairs, two of them, fit i16 (31·127·2·2 < 2^15).
+                    let s16 = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo[pair], act_lo),
+                        _mm256_maddubs_epi16(hi[pair], act_hi),
+                    );
+                    pair_sums[pair] = _mm256_madd_epi16(s16, ones);
+                }
+                // Lanes become rows [0,2,4,6,1,3,5,7]: the order `d` and `qh` are stored in.
+                let sumi = _mm256_sub_epi32(
+                    _mm256_hadd_epi32(
+                        _mm256_hadd_epi32(pair_sums[0], pair_sums[1]),
+                        _mm256_hadd_epi32(pair_sums[2], pair_sums[3]),
+                    ),
+                    _mm256_set1_epi32(16 * a.qsum),
+                );
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[n]);
+            }
+        }
+        for (n, acc) in acc.iter().enumerate() {
+            let mut lanes = [0f32; GROUP_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
+            for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
+                job.put(first + n, row, lanes[lane]);
+            }
+        }
+    }
+
+    /// As `q41_tokens`, for Q8Offset blocks: each row's 32 values are one register, no
+    /// unpacking.
+    ///
+    /// # Safety
+    /// As `q41_tokens`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q8_offset_tokens<const N: usize>(
+        group: &[Q8OffsetGroupBlock],
+        job: &mut GroupJob,
+        first: usize,
+    ) {
+        let acts = job.acts;
+        let ones = _mm256_set1_epi16(1);
+        let rows: [&[crate::ActBlock]; N] = std::array::from_fn(|n| acts.row(first + n));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for (b, w) in group.iter().enumerate() {
+            let w_ptr = w.qs.as_ptr() as *const __m256i;
+            let weights: [__m256i; GROUP_ROWS] =
+                std::array::from_fn(|row| _mm256_loadu_si256(w_ptr.add(row)));
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(w.d.as_ptr() as *const __m128i));
+            let m = _mm256_cvtph_ps(_mm_loadu_si128(w.m.as_ptr() as *const __m128i));
+            for n in 0..N {
+                let a = rows[n].get_unchecked(b);
+                let act = _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i);
+                // maddubs wants one unsigned operand: move the sign onto the activations.
+                // |w| · |x| pairs fit i16 (128·127·2 < 2^15).
+                let sums: [__m256i; GROUP_ROWS] = std::array::from_fn(|row| {
+                    let w = weights[row];
+                    let prod =
+                        _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(act, w));
+                    _mm256_madd_epi16(prod, ones)
+                });
+                let sumi = row_totals(&sums);
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d));
+                acc[n] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi), acc[n]);
+                acc[n] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s), acc[n]);
+            }
+        }
+        for (n, acc) in acc.iter().enumerate() {
+            let mut lanes = [0f32; GROUP_ROWS];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *acc);
+            job.token_rows(first + n).copy_from_slice(&lanes);
         }
     }
 

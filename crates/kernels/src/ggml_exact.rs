@@ -26,7 +26,7 @@
 //! sequences, where their cells sit in its shared cache decides the attention lanes, which a
 //! paged engine does not reproduce (and does not need to).
 
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
+use crate::layout::{GroupJob, Q41GroupBlock, Q80GroupBlock, GROUP_ROWS, Q41_LANE_ROW};
 use crate::scalar::{f16_to_f32, q41_lane, q41_row_nibbles};
 use crate::ActBlock;
 use half::f16;

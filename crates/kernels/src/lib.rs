@@ -1,5 +1,6 @@
-//! CPU compute kernels for the llama forward pass: quantized weight matrices (Q4_1 and Q8_0,
-//! repacked at load into 8-row groups), activation quantization, and the small element-wise
+//! CPU compute kernels for the llama forward pass: quantized weight matrices (four compute
+//! layouts, `layout`, repacked at load into 8-row groups; [`formats`] turns each GGUF tensor
+//! format into one of them), activation quantization, and the small element-wise
 //! ops (RMSNorm, RoPE, SwiGLU, softmax, f16 dot products for attention).
 //!
 //! Every kernel has a portable scalar version beside its AVX2/FMA/F16C version; the backend is
@@ -16,7 +17,9 @@ mod attention_avx512;
 mod avx2;
 mod backend;
 mod expf;
+pub mod formats;
 pub mod ggml_exact;
+mod layout;
 mod matrix;
 mod ops;
 mod quant;
@@ -29,7 +32,9 @@ mod xxh3;
 pub use attention::{key_index, load_key, store_key, KvHeadAttention};
 pub use backend::Backend;
 pub use expf::expf;
-pub use matrix::{QuantMatrix, WeightFormat};
+pub use formats::{Fidelity, TensorFormat};
+pub use layout::WeightFormat;
+pub use matrix::QuantMatrix;
 pub use ops::{
     add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rms_norm_rows, rope_in_place,
     silu_mul, softmax_in_place, RopeTable,
@@ -51,6 +56,20 @@ pub enum Error {
     },
     #[error("matrix shape {rows}x{cols} unsupported: rows must be a multiple of 8 and cols of 32")]
     UnsupportedShape { rows: usize, cols: usize },
+    #[error("tensor {rows}x{cols} has {got} bytes of {format} data, expected {expected}")]
+    WrongTensorBytes {
+        format: TensorFormat,
+        rows: usize,
+        cols: usize,
+        got: usize,
+        expected: usize,
+    },
+    #[error(
+        "a row of {cols} values is not a whole number of {format} blocks \
+         ({values} values each) and of 32-value blocks",
+        values = format.block_values()
+    )]
+    NotWholeBlocks { format: TensorFormat, cols: usize },
     #[error("cannot concatenate matrices with different column counts or formats")]
     ConcatMismatch,
 }

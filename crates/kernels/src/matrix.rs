@@ -1,84 +1,22 @@
-//! Quantized weight matrices, repacked at load into groups of 8 rows so one SIMD pass computes
-//! 8 output rows at once from a single load of the activation block.
-//!
-//! Q4_1 group block (one 32-column block of 8 rows): `qs` holds the rows' packed nibbles as four
-//! 32-byte pairs `[row 2p | row 2p+1]`, and `d`/`m` the f16 scales in the lane order the AVX2
-//! reduction produces (`LANE_ROW`). Q8_0 group block: 8 rows of 32 signed bytes, scales in row
-//! order. Both keep the file's exact bit patterns, so results do not depend on the repacking.
+//! Quantized weight matrices, repacked at load into groups of 8 rows (`layout`) so one SIMD
+//! pass computes 8 output rows at once from a single load of the activation block, and the
+//! dispatch of each matmul to the kernels of the chosen backend.
 
+use crate::formats::{self, Fidelity, TensorFormat};
+use crate::layout::{
+    GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q80PairBlock, Q8OffsetGroupBlock,
+    WeightFormat, GROUP_ROWS, Q41_LANE_ROW,
+};
 use crate::{avx2, ggml_exact, scalar, vnni, Backend, Error, QuantActs, Result, Workers, BLOCK};
 use hugemem::HugeBuffer;
 use std::ops::{Deref, Range};
 use std::sync::Arc;
 
-/// Rows per group: one AVX2 register of f32 results.
-pub(crate) const GROUP_ROWS: usize = 8;
-/// The row each output lane of the Q4_1 reduction holds (see `avx2::q41_group`).
-pub(crate) const Q41_LANE_ROW: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
-
-/// The on-disk weight formats we can load.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightFormat {
-    Q4_1,
-    Q8_0,
-}
-
-impl WeightFormat {
-    /// Bytes of one 32-value block in the GGUF file.
-    pub const fn block_bytes(self) -> usize {
-        match self {
-            WeightFormat::Q4_1 => 20,
-            WeightFormat::Q8_0 => 34,
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-#[repr(C)]
-pub(crate) struct Q41GroupBlock {
-    pub qs: [u8; 128],
-    pub d: [u16; 8],
-    pub m: [u16; 8],
-}
-
-#[derive(Clone, Copy)]
-#[repr(C)]
-pub(crate) struct Q80GroupBlock {
-    pub qs: [i8; 256],
-    pub d: [u16; 8],
-}
-
-/// One 32-column block of a pair of Q8_0 row groups (16 rows), laid out as the VNNI kernel
-/// uses it: `qs[64k + 4i..64k + 4i + 4]` is dword k (columns 4k..4k+4) of row i, each byte
-/// +128 (sign bit flipped) so it is `vpdpbusd`'s unsigned operand; `d` holds the 16 rows'
-/// scales in row order. Row i < 8 is row i of the pair's first group, row 8 + i row i of the
-/// second (the first again when a matrix ends on an odd group).
-#[derive(Clone, Copy)]
-#[repr(C)]
-pub(crate) struct Q80PairBlock {
-    pub qs: [u8; 512],
-    pub d: [u16; 16],
-}
-
-// The kernels index these blocks by byte offsets (prefetch strides, `size_of` steps): no
-// padding may creep in. 8 rows × 32 values at 4 (Q4_1) or 8 (Q8_0) bits, then f16 scales.
-const _: () = assert!(std::mem::size_of::<Q41GroupBlock>() == 8 * 16 + 2 * 8 * 2);
-const _: () = assert!(std::mem::size_of::<Q80GroupBlock>() == 8 * 32 + 8 * 2);
-const _: () = assert!(std::mem::size_of::<Q80PairBlock>() == 16 * 32 + 16 * 2);
-// Each group block holds 8 of the file's blocks, repacked, and nothing else.
-const _: () = assert!(std::mem::size_of::<Q41GroupBlock>() == 8 * WeightFormat::Q4_1.block_bytes());
-const _: () = assert!(std::mem::size_of::<Q80GroupBlock>() == 8 * WeightFormat::Q8_0.block_bytes());
-
-// SAFETY: all three are arrays of integers only; all-zero bytes are a valid value of each.
-unsafe impl bytemuck::Zeroable for Q41GroupBlock {}
-// SAFETY: as above.
-unsafe impl bytemuck::Zeroable for Q80GroupBlock {}
-// SAFETY: as above.
-unsafe impl bytemuck::Zeroable for Q80PairBlock {}
-
 #[derive(Clone)]
 enum Storage {
     Q41(Blocks<Q41GroupBlock>),
+    Q50(Blocks<Q50GroupBlock>),
+    Q8Offset(Blocks<Q8OffsetGroupBlock>),
     Q80(Blocks<Q80GroupBlock>),
 }
 
@@ -138,14 +76,28 @@ impl Storage {
     fn q41(&self) -> Option<&Blocks<Q41GroupBlock>> {
         match self {
             Storage::Q41(blocks) => Some(blocks),
-            Storage::Q80(_) => None,
+            _ => None,
+        }
+    }
+
+    fn q50(&self) -> Option<&Blocks<Q50GroupBlock>> {
+        match self {
+            Storage::Q50(blocks) => Some(blocks),
+            _ => None,
+        }
+    }
+
+    fn q8_offset(&self) -> Option<&Blocks<Q8OffsetGroupBlock>> {
+        match self {
+            Storage::Q8Offset(blocks) => Some(blocks),
+            _ => None,
         }
     }
 
     fn q80(&self) -> Option<&Blocks<Q80GroupBlock>> {
         match self {
             Storage::Q80(blocks) => Some(blocks),
-            Storage::Q41(_) => None,
+            _ => None,
         }
     }
 }
@@ -206,6 +158,14 @@ impl QuantMatrix {
                 let (g, b) = (index / blocks_per_row, index % blocks_per_row);
                 pack_q41(|r| source_block(g * GROUP_ROWS + r, b))
             })),
+            WeightFormat::Q5_0 => Storage::Q50(Blocks::packed(block_count, |index| {
+                let (g, b) = (index / blocks_per_row, index % blocks_per_row);
+                pack_q50(|r| source_block(g * GROUP_ROWS + r, b))
+            })),
+            WeightFormat::Q8Offset => Storage::Q8Offset(Blocks::packed(block_count, |index| {
+                let (g, b) = (index / blocks_per_row, index % blocks_per_row);
+                pack_q8_offset(|r| source_block(g * GROUP_ROWS + r, b))
+            })),
             WeightFormat::Q8_0 => Storage::Q80(Blocks::packed(block_count, |index| {
                 let (g, b) = (index / blocks_per_row, index % blocks_per_row);
                 pack_q80(|r| source_block(g * GROUP_ROWS + r, b))
@@ -217,6 +177,26 @@ impl QuantMatrix {
             storage,
             vnni_q80: None,
         })
+    }
+
+    /// A matrix from a GGUF tensor of any loadable format, turned into its format's compute
+    /// layout ([`formats::transcode`]), or into `layout` ([`formats::into_layout`]) to be
+    /// stacked with matrices of other layouts. Also says how faithful the layout's values
+    /// are to the file's.
+    pub fn from_tensor(
+        format: TensorFormat,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+        layout: Option<WeightFormat>,
+    ) -> Result<(QuantMatrix, Fidelity)> {
+        let mut transcoded = formats::transcode(format, rows, cols, bytes)?;
+        if let Some(target) = layout {
+            transcoded = formats::into_layout(transcoded, target).ok_or(Error::ConcatMismatch)?;
+        }
+        let matrix =
+            QuantMatrix::from_gguf_bytes(transcoded.layout, rows, cols, &transcoded.bytes)?;
+        Ok((matrix, transcoded.fidelity))
     }
 
     /// Stacks matrices with the same width and format (e.g. Q, K and V into one QKV matrix, so
@@ -231,6 +211,12 @@ impl QuantMatrix {
         let storage = match first.storage {
             Storage::Q41(_) => Storage::Q41(Blocks::concatenated(
                 parts.iter().filter_map(|part| part.storage.q41()),
+            )),
+            Storage::Q50(_) => Storage::Q50(Blocks::concatenated(
+                parts.iter().filter_map(|part| part.storage.q50()),
+            )),
+            Storage::Q8Offset(_) => Storage::Q8Offset(Blocks::concatenated(
+                parts.iter().filter_map(|part| part.storage.q8_offset()),
             )),
             Storage::Q80(_) => Storage::Q80(Blocks::concatenated(
                 parts.iter().filter_map(|part| part.storage.q80()),
@@ -252,11 +238,21 @@ impl QuantMatrix {
     /// change: every block keeps its bits.
     pub fn share_buffers(matrices: &mut [&mut QuantMatrix]) {
         let q41 = Blocks::concatenated(matrices.iter().filter_map(|matrix| matrix.storage.q41()));
+        let q50 = Blocks::concatenated(matrices.iter().filter_map(|matrix| matrix.storage.q50()));
+        let q8_offset = Blocks::concatenated(
+            matrices
+                .iter()
+                .filter_map(|matrix| matrix.storage.q8_offset()),
+        );
         let q80 = Blocks::concatenated(matrices.iter().filter_map(|matrix| matrix.storage.q80()));
-        let (mut q41_start, mut q80_start) = (0, 0);
+        let (mut q41_start, mut q50_start, mut q8_offset_start, mut q80_start) = (0, 0, 0, 0);
         for matrix in matrices.iter_mut() {
             matrix.storage = match &matrix.storage {
                 Storage::Q41(blocks) => Storage::Q41(q41.next_range(&mut q41_start, blocks.len())),
+                Storage::Q50(blocks) => Storage::Q50(q50.next_range(&mut q50_start, blocks.len())),
+                Storage::Q8Offset(blocks) => {
+                    Storage::Q8Offset(q8_offset.next_range(&mut q8_offset_start, blocks.len()))
+                }
                 Storage::Q80(blocks) => Storage::Q80(q80.next_range(&mut q80_start, blocks.len())),
             };
         }
@@ -308,6 +304,8 @@ impl QuantMatrix {
     pub fn format(&self) -> WeightFormat {
         match self.storage {
             Storage::Q41(_) => WeightFormat::Q4_1,
+            Storage::Q50(_) => WeightFormat::Q5_0,
+            Storage::Q8Offset(_) => WeightFormat::Q8Offset,
             Storage::Q80(_) => WeightFormat::Q8_0,
         }
     }
@@ -317,6 +315,8 @@ impl QuantMatrix {
     pub(crate) fn shares_buffer_with(&self, other: &QuantMatrix) -> bool {
         match (&self.storage, &other.storage) {
             (Storage::Q41(a), Storage::Q41(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
+            (Storage::Q50(a), Storage::Q50(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
+            (Storage::Q8Offset(a), Storage::Q8Offset(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
             (Storage::Q80(a), Storage::Q80(b)) => Arc::ptr_eq(&a.buffer, &b.buffer),
             _ => false,
         }
@@ -327,6 +327,8 @@ impl QuantMatrix {
     pub(crate) fn storage_is_advised(&self) -> bool {
         match &self.storage {
             Storage::Q41(blocks) => blocks.buffer.is_advised(),
+            Storage::Q50(blocks) => blocks.buffer.is_advised(),
+            Storage::Q8Offset(blocks) => blocks.buffer.is_advised(),
             Storage::Q80(blocks) => blocks.buffer.is_advised(),
         }
     }
@@ -345,6 +347,8 @@ impl QuantMatrix {
             .map_or(0, |pairs| std::mem::size_of_val::<[Q80PairBlock]>(pairs));
         vnni + match &self.storage {
             Storage::Q41(blocks) => std::mem::size_of_val::<[Q41GroupBlock]>(blocks),
+            Storage::Q50(blocks) => std::mem::size_of_val::<[Q50GroupBlock]>(blocks),
+            Storage::Q8Offset(blocks) => std::mem::size_of_val::<[Q8OffsetGroupBlock]>(blocks),
             Storage::Q80(blocks) => std::mem::size_of_val::<[Q80GroupBlock]>(blocks),
         }
     }
@@ -361,6 +365,18 @@ impl QuantMatrix {
                 let group_blocks = &blocks[group * blocks_per_row..(group + 1) * blocks_per_row];
                 for (chunk, block) in chunks.zip(group_blocks) {
                     scalar::dequantize_q41(block, lane_row, chunk);
+                }
+            }
+            Storage::Q50(blocks) => {
+                let group_blocks = &blocks[group * blocks_per_row..(group + 1) * blocks_per_row];
+                for (chunk, block) in chunks.zip(group_blocks) {
+                    scalar::dequantize_q50(block, lane_row, chunk);
+                }
+            }
+            Storage::Q8Offset(blocks) => {
+                let group_blocks = &blocks[group * blocks_per_row..(group + 1) * blocks_per_row];
+                for (chunk, block) in chunks.zip(group_blocks) {
+                    scalar::dequantize_q8_offset(block, lane_row, chunk);
                 }
             }
             Storage::Q80(blocks) => {
@@ -435,7 +451,16 @@ impl QuantMatrix {
     fn run_groups(&self, backend: Backend, groups: Range<usize>, mut job: TaskJob) {
         let blocks_per_row = self.cols / BLOCK;
         let blocks = |g: usize| g * blocks_per_row..(g + 1) * blocks_per_row;
-        if backend == Backend::Avx512Vnni && vnni::worth_it(job.tokens.len()) {
+        let vnni_kernel = !matches!(self.storage, Storage::Q8Offset(_));
+        // Q5_0 takes the VNNI kernel at any token count: putting in its fifth bits costs the
+        // AVX2 kernel more than the turn-around costs the VNNI one (Q4_K_M SmolLM2, mostly
+        // Q5_0, batch-1 decode: 164 → 250 and 135 → 185 tok/s at 1 thread, 374 → 435 and
+        // 262 → 319 at 2, alternating; BENCHMARKS.md). Same bits either way (tested).
+        let vnni_tokens = match self.storage {
+            Storage::Q50(_) => vnni::cpu_ok(),
+            _ => vnni::worth_it(job.tokens.len()),
+        };
+        if backend == Backend::Avx512Vnni && vnni_kernel && vnni_tokens {
             // Two groups (16 rows) per pass; an odd last group goes alone.
             for first in groups.clone().step_by(2) {
                 let second = (first + 1).min(groups.end - 1);
@@ -447,8 +472,14 @@ impl QuantMatrix {
                     (Storage::Q41(all), None) => {
                         vnni::q41_pair([&all[blocks(first)], &all[blocks(second)]], pair)
                     }
+                    (Storage::Q50(all), None) => {
+                        vnni::q50_pair([&all[blocks(first)], &all[blocks(second)]], pair)
+                    }
                     (Storage::Q80(all), None) => {
                         vnni::q80_pair([&all[blocks(first)], &all[blocks(second)]], pair)
+                    }
+                    (Storage::Q8Offset(_), None) => {
+                        unreachable!("no VNNI kernel for Q8Offset blocks")
                     }
                 }
             }
@@ -458,6 +489,8 @@ impl QuantMatrix {
             let group = job.rows(g, GROUP_ROWS);
             match &self.storage {
                 Storage::Q41(all) => q41_group(backend, &all[blocks(g)], group),
+                Storage::Q50(all) => q50_group(backend, &all[blocks(g)], group),
+                Storage::Q8Offset(all) => q8_offset_group(backend, &all[blocks(g)], group),
                 Storage::Q80(all) => q80_group(backend, &all[blocks(g)], group),
             }
         }
@@ -479,94 +512,14 @@ struct TaskJob<'a, 'o> {
 impl<'o> TaskJob<'_, 'o> {
     /// The job for `rows` rows starting at group `group`.
     fn rows(&mut self, group: usize, rows: usize) -> GroupJob<'_, 'o> {
-        GroupJob {
-            acts: self.acts,
-            tokens: self.tokens.clone(),
-            out: &mut *self.out,
-            first_row: (group - self.first_group) * GROUP_ROWS,
-            rows,
-        }
-    }
-}
-
-/// What one kernel call computes: `rows` rows (one group of 8, or two for the VNNI kernels)
-/// for tokens `tokens` of `acts`; row r of token t goes to `out[t][first_row + r]`.
-pub(crate) struct GroupJob<'a, 'o> {
-    pub acts: &'a QuantActs,
-    pub tokens: Range<usize>,
-    out: &'a mut [&'o mut [f32]],
-    first_row: usize,
-    rows: usize,
-}
-
-impl<'a, 'o> GroupJob<'a, 'o> {
-    /// A job over `out[t][first_row..first_row + rows]` (for tests that call kernels directly).
-    #[cfg(test)]
-    pub(crate) fn new(
-        acts: &'a QuantActs,
-        tokens: Range<usize>,
-        out: &'a mut [&'o mut [f32]],
-        first_row: usize,
-        rows: usize,
-    ) -> Self {
-        GroupJob {
-            acts,
-            tokens,
-            out,
+        let first_row = (group - self.first_group) * GROUP_ROWS;
+        GroupJob::new(
+            self.acts,
+            self.tokens.clone(),
+            &mut *self.out,
             first_row,
             rows,
-        }
-    }
-
-    /// Rows this job writes for each token.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// The part of a two-group job that is group `g` (0 or 1).
-    pub fn group(&mut self, g: usize) -> GroupJob<'_, 'o> {
-        assert!((g + 1) * GROUP_ROWS <= self.rows, "a group of the job");
-        GroupJob {
-            acts: self.acts,
-            tokens: self.tokens.clone(),
-            out: &mut *self.out,
-            first_row: self.first_row + g * GROUP_ROWS,
-            rows: GROUP_ROWS,
-        }
-    }
-
-    /// Stores row `row`'s result for token `token`.
-    #[inline(always)]
-    pub fn put(&mut self, token: usize, row: usize, value: f32) {
-        debug_assert!(row < self.rows, "row within the job");
-        self.out[token][self.first_row + row] = value;
-    }
-
-    /// Token `token`'s results, all of the job's rows in order.
-    #[inline(always)]
-    pub fn token_rows(&mut self, token: usize) -> &mut [f32] {
-        &mut self.out[token][self.first_row..self.first_row + self.rows]
-    }
-
-    /// The bounds the kernels rely on: one activation block per weight block, tokens within
-    /// the activations and the outputs, and room for the job's rows in every token's output.
-    pub fn check(&self, blocks: usize, rows: usize) {
-        assert_eq!(self.rows, rows, "a job for this kernel's row count");
-        assert_eq!(
-            self.acts.cols() / BLOCK,
-            blocks,
-            "one activation block per weight block"
-        );
-        assert!(
-            self.tokens.end <= self.acts.rows() && self.tokens.end <= self.out.len(),
-            "tokens within the activations and the outputs"
-        );
-        for out in &self.out[self.tokens.clone()] {
-            assert!(
-                self.first_row + self.rows <= out.len(),
-                "room for the job's rows"
-            );
-        }
+        )
     }
 }
 
@@ -576,6 +529,28 @@ fn q41_group(backend: Backend, group: &[Q41GroupBlock], job: GroupJob) {
         // VNNI below its token threshold (`run_groups` sends larger jobs to `vnni`).
         Backend::Avx2 | Backend::Avx512Vnni => avx2::q41_group(group, job),
         Backend::GgmlExact | Backend::GgmlExactAvx2 => ggml_exact::q41_group(group, job),
+    }
+}
+
+/// Q5_0 has no ggml-exact kernel: those backends run the AVX2 one (integer sums equal to
+/// llama.cpp's, float steps in the fast kernels' order).
+fn q50_group(backend: Backend, group: &[Q50GroupBlock], job: GroupJob) {
+    match backend {
+        Backend::Scalar => scalar::q50_group(group, job),
+        Backend::Avx2 | Backend::Avx512Vnni | Backend::GgmlExact | Backend::GgmlExactAvx2 => {
+            avx2::q50_group(group, job)
+        }
+    }
+}
+
+/// Q8Offset blocks have no VNNI or ggml-exact kernel of their own: those backends run the
+/// AVX2 one (which falls back to the scalar one on a CPU without AVX2).
+fn q8_offset_group(backend: Backend, group: &[Q8OffsetGroupBlock], job: GroupJob) {
+    match backend {
+        Backend::Scalar => scalar::q8_offset_group(group, job),
+        Backend::Avx2 | Backend::Avx512Vnni | Backend::GgmlExact | Backend::GgmlExactAvx2 => {
+            avx2::q8_offset_group(group, job)
+        }
     }
 }
 
@@ -608,6 +583,49 @@ fn pack_q41<'a>(source: impl Fn(usize) -> &'a [u8]) -> Q41GroupBlock {
         let src = source(row);
         packed.d[lane] = f16_bits(&src[0..2]);
         packed.m[lane] = f16_bits(&src[2..4]);
+    }
+    packed
+}
+
+/// Packs one 32-column block of 8 rows; `source(r)` is row r's 22-byte GGUF Q5_0 block
+/// (f16 d, 4 bytes of fifth bits, 16 bytes of nibbles).
+fn pack_q50<'a>(source: impl Fn(usize) -> &'a [u8]) -> Q50GroupBlock {
+    let mut packed = Q50GroupBlock {
+        qs: [0; 128],
+        qh: [0; 8],
+        d: [0; 8],
+    };
+    for row in 0..GROUP_ROWS {
+        let src = source(row);
+        let start = (row / 2) * 32 + (row % 2) * 16;
+        packed.qs[start..start + 16].copy_from_slice(&src[6..22]);
+    }
+    for (lane, &row) in Q41_LANE_ROW.iter().enumerate() {
+        let src = source(row);
+        packed.d[lane] = f16_bits(&src[0..2]);
+        packed.qh[lane] = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+    }
+    packed
+}
+
+/// Packs one 32-column block of 8 rows; `source(r)` is row r's 36-byte Q8Offset block
+/// (f16 d, f16 m, 32 signed bytes).
+fn pack_q8_offset<'a>(source: impl Fn(usize) -> &'a [u8]) -> Q8OffsetGroupBlock {
+    let mut packed = Q8OffsetGroupBlock {
+        qs: [0; 256],
+        d: [0; 8],
+        m: [0; 8],
+    };
+    for row in 0..GROUP_ROWS {
+        let src = source(row);
+        packed.d[row] = f16_bits(&src[0..2]);
+        packed.m[row] = f16_bits(&src[2..4]);
+        for (dst, &byte) in packed.qs[row * 32..(row + 1) * 32]
+            .iter_mut()
+            .zip(&src[4..36])
+        {
+            *dst = byte as i8;
+        }
     }
     packed
 }

@@ -74,7 +74,58 @@ fn random_q80(rng: &mut SplitMix64, rows: usize, cols: usize) -> (Vec<u8>, Vec<f
     (bytes, values)
 }
 
-/// `random_q41` or `random_q80`, as `format` says.
+/// Q8Offset blocks (f16 scale, f16 offset, 32 signed bytes) for a random `rows × cols` matrix,
+/// and its values.
+fn random_q8_offset(rng: &mut SplitMix64, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.signed_f32().abs() * 0.01);
+        let m = f16::from_f32(rng.signed_f32() * 0.5);
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        bytes.extend_from_slice(&m.to_bits().to_le_bytes());
+        for _ in 0..32 {
+            let q = rng.next_u64() as u8 as i8;
+            bytes.push(q as u8);
+            values.push(q as f32 * d.to_f32() + m.to_f32());
+        }
+    }
+    (bytes, values)
+}
+
+/// GGUF Q5_0 bytes for a random `rows × cols` matrix, and its values.
+fn random_q50(rng: &mut SplitMix64, rows: usize, cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut bytes = Vec::new();
+    let mut values = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.signed_f32().abs() * 0.05);
+        let qh = rng.next_u64() as u32;
+        let nibbles: Vec<u8> = (0..16).map(|_| rng.next_u64() as u8).collect();
+        bytes.extend_from_slice(&d.to_bits().to_le_bytes());
+        bytes.extend_from_slice(&qh.to_le_bytes());
+        bytes.extend_from_slice(&nibbles);
+        for j in 0..32 {
+            let nibble = if j < 16 {
+                nibbles[j] & 15
+            } else {
+                nibbles[j - 16] >> 4
+            };
+            let q = nibble as i32 | (((qh >> j) & 1) << 4) as i32;
+            values.push((q - 16) as f32 * d.to_f32());
+        }
+    }
+    (bytes, values)
+}
+
+/// Every compute layout.
+const LAYOUTS: [WeightFormat; 4] = [
+    WeightFormat::Q4_1,
+    WeightFormat::Q5_0,
+    WeightFormat::Q8_0,
+    WeightFormat::Q8Offset,
+];
+
+/// `random_q41`, `random_q80` or `random_q8_offset`, as `format` says.
 fn random_weights(
     rng: &mut SplitMix64,
     format: WeightFormat,
@@ -84,6 +135,8 @@ fn random_weights(
     match format {
         WeightFormat::Q4_1 => random_q41(rng, rows, cols),
         WeightFormat::Q8_0 => random_q80(rng, rows, cols),
+        WeightFormat::Q5_0 => random_q50(rng, rows, cols),
+        WeightFormat::Q8Offset => random_q8_offset(rng, rows, cols),
     }
 }
 
@@ -142,6 +195,22 @@ fn q41_matmul_matches_dequantized_reference_on_every_backend() {
 }
 
 #[test]
+fn q8_offset_matmul_matches_dequantized_reference_on_every_backend() {
+    check_matmul(WeightFormat::Q8Offset, 64, 96, 1, 14);
+    check_matmul(WeightFormat::Q8Offset, 8, 32, 4, 15);
+    check_matmul(WeightFormat::Q8Offset, 200, 576, 2, 16);
+    check_matmul(WeightFormat::Q8Offset, 16, 64, 70, 17);
+}
+
+#[test]
+fn q50_matmul_matches_dequantized_reference_on_every_backend() {
+    check_matmul(WeightFormat::Q5_0, 64, 96, 1, 18);
+    check_matmul(WeightFormat::Q5_0, 8, 32, 4, 19);
+    check_matmul(WeightFormat::Q5_0, 200, 576, 2, 20);
+    check_matmul(WeightFormat::Q5_0, 16, 64, 70, 21);
+}
+
+#[test]
 fn q80_matmul_matches_dequantized_reference_on_every_backend() {
     check_matmul(WeightFormat::Q8_0, 64, 96, 1, 4);
     check_matmul(WeightFormat::Q8_0, 8, 32, 4, 5);
@@ -156,7 +225,7 @@ fn q80_matmul_matches_dequantized_reference_on_every_backend() {
 fn matmul_bits_do_not_depend_on_the_thread_count() {
     let mut rng = SplitMix64::new(31);
     let pools: Vec<Workers> = [1, 2, 3].into_iter().map(Workers::new).collect();
-    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for format in LAYOUTS {
         for (rows, cols, tokens) in [(136, 64, 1), (200, 96, 5), (24, 32, 16), (40, 64, 70)] {
             let (bytes, _) = random_weights(&mut rng, format, rows, cols);
             let mut matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
@@ -199,7 +268,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
     }
     let workers = Workers::new(2);
     let mut rng = SplitMix64::new(21);
-    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for format in LAYOUTS {
         for (rows, cols, tokens) in [
             (8, 32, 1),
             (16, 64, 3),
@@ -217,6 +286,8 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
             match format {
                 WeightFormat::Q4_1 => first_block[4..].fill(0xFF),
                 WeightFormat::Q8_0 => first_block[2..].fill(0x80),
+                WeightFormat::Q5_0 => first_block[2..].fill(0xFF),
+                WeightFormat::Q8Offset => first_block[4..].fill(0x80),
             }
             let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
             let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.signed_f32()).collect();
@@ -255,7 +326,7 @@ fn vnni_matmuls_equal_avx2_bit_for_bit() {
 fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
     let mut rng = SplitMix64::new(22);
     let vnni = Backend::available().contains(&Backend::Avx512Vnni);
-    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for format in LAYOUTS {
         let bytes = random_weights(&mut rng, format, 40, 64).0;
         let mut matrix = QuantMatrix::from_gguf_bytes(format, 40, 64, &bytes).unwrap();
         let plain = matrix.bytes();
@@ -272,7 +343,7 @@ fn vnni_layout_is_a_q8_0_copy_made_only_where_vnni_runs() {
 #[test]
 fn dequantize_row_recovers_every_row() {
     let mut rng = SplitMix64::new(7);
-    for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    for format in LAYOUTS {
         let (rows, cols) = (24, 64);
         let (bytes, values) = random_weights(&mut rng, format, rows, cols);
         let matrix = QuantMatrix::from_gguf_bytes(format, rows, cols, &bytes).unwrap();
@@ -582,8 +653,8 @@ fn silu_and_softmax_bits_are_the_same_on_every_backend() {
 
 proptest! {
     #[test]
-    fn matmul_never_panics_on_arbitrary_weight_bytes(bytes in proptest::collection::vec(any::<u8>(), 8 * 34 * 2)) {
-        for format in [WeightFormat::Q4_1, WeightFormat::Q8_0] {
+    fn matmul_never_panics_on_arbitrary_weight_bytes(bytes in proptest::collection::vec(any::<u8>(), 8 * 36 * 2)) {
+        for format in LAYOUTS {
             let len = 8 * 2 * format.block_bytes();
             let matrix = QuantMatrix::from_gguf_bytes(format, 8, 64, &bytes[..len]).unwrap();
             let mut acts = QuantActs::default();
@@ -617,11 +688,11 @@ fn ggml_exact_q41_simd_equals_portable() {
     quantize_acts(&x, tokens, cols, &mut acts);
     let blocks = matrix.q41_blocks().expect("a Q4_1 matrix");
     let per_group = cols / BLOCK;
-    let run = |kernel: fn(&[crate::matrix::Q41GroupBlock], crate::matrix::GroupJob)| {
+    let run = |kernel: fn(&[crate::layout::Q41GroupBlock], crate::layout::GroupJob)| {
         let mut out = vec![0f32; rows * tokens];
         let mut token_rows: Vec<&mut [f32]> = out.chunks_exact_mut(rows).collect();
         for group in 0..rows / 8 {
-            let job = crate::matrix::GroupJob::new(&acts, 0..tokens, &mut token_rows, group * 8, 8);
+            let job = crate::layout::GroupJob::new(&acts, 0..tokens, &mut token_rows, group * 8, 8);
             kernel(&blocks[group * per_group..(group + 1) * per_group], job);
         }
         out

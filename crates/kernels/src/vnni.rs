@@ -12,7 +12,9 @@
 //! kernel, one group at a time.
 
 use crate::avx2;
-use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS};
+use crate::layout::{
+    GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS,
+};
 
 /// Below this many tokens the AVX2 kernels are faster (the turn-around costs more than the
 /// reduction tree it saves when there is nothing to share it with); same results either way.
@@ -59,6 +61,26 @@ pub(crate) fn q41_pair(groups: [&[Q41GroupBlock]; 2], mut job: GroupJob) {
         return;
     }
     for_each_group(job, |g, job| avx2::q41_group(groups[g], job));
+}
+
+/// As `q41_pair`, for Q5_0.
+pub(crate) fn q50_pair(groups: [&[Q50GroupBlock]; 2], mut job: GroupJob) {
+    check_pair(groups, &job);
+    #[cfg(target_arch = "x86_64")]
+    if cpu_ok() {
+        for_token_runs(job.tokens.clone(), |first, width| {
+            // SAFETY: as in `q41_pair`.
+            unsafe {
+                match width {
+                    8 => x86::q50_tokens::<8>(groups, &mut job, first),
+                    4 => x86::q50_tokens::<4>(groups, &mut job, first),
+                    _ => x86::q50_tokens::<1>(groups, &mut job, first),
+                }
+            }
+        });
+        return;
+    }
+    for_each_group(job, |g, job| avx2::q50_group(groups[g], job));
 }
 
 /// As `q41_pair`, for Q8_0.
@@ -131,7 +153,9 @@ fn for_each_group(mut job: GroupJob, kernel: impl Fn(usize, GroupJob)) {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::matrix::{GroupJob, Q41GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS};
+    use crate::layout::{
+        GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q80PairBlock, GROUP_ROWS,
+    };
     use crate::ActBlock;
     use std::arch::x86_64::*;
     use std::mem::size_of;
@@ -316,6 +340,120 @@ mod x86 {
         for (n, acc) in acc.iter().enumerate() {
             store_token(job, first + n, _mm512_permutexvar_ps(row_order, *acc));
         }
+    }
+
+    /// As `q41_tokens`, for Q5_0: the same unpack, each value's fifth bit (16) added where
+    /// `qh` has it, and `Σ q · x − 16 · Σ x` with the activations' exact integer sum: the
+    /// AVX2 kernel's integer sums and float steps, per lane.
+    ///
+    /// # Safety
+    /// As `q41_tokens`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn q50_tokens<const N: usize>(
+        groups: [&[Q50GroupBlock]; 2],
+        job: &mut GroupJob,
+        first: usize,
+    ) {
+        let acts = job.acts;
+        let low_nibble = _mm512_set1_epi8(0x0F);
+        let sixteen = _mm512_set1_epi8(0x10);
+        // Byte j of each dword tests bit j of the dword's low byte, copied to all four.
+        let dword_base = _mm512_setr_epi32(
+            0x0000_0000,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+            0x0000_0000,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+            0x0000_0000,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+            0x0000_0000,
+            0x0404_0404,
+            0x0808_0808,
+            0x0C0C_0C0C,
+        );
+        let bit_of_byte = _mm512_set1_epi32(0x0804_0201);
+        let rows = token_rows::<N>(acts, first);
+        let mut acc = [_mm512_setzero_ps(); N];
+        let ahead = prefetch_distance(groups[0]);
+        for (b, (w0, w1)) in groups[0].iter().zip(groups[1]).enumerate() {
+            let (p0, p1) = start_blocks(w0, w1, ahead);
+            let mut p = [_mm512_setzero_si512(); 4];
+            for (i, p) in p.iter_mut().enumerate() {
+                *p = load_pair(p0.add(i), p1.add(i));
+            }
+            let lo01 = _mm512_unpacklo_epi32(p[0], p[1]);
+            let hi01 = _mm512_unpackhi_epi32(p[0], p[1]);
+            let lo23 = _mm512_unpacklo_epi32(p[2], p[3]);
+            let hi23 = _mm512_unpackhi_epi32(p[2], p[3]);
+            let dwords = [
+                _mm512_unpacklo_epi64(lo01, lo23),
+                _mm512_unpackhi_epi64(lo01, lo23),
+                _mm512_unpacklo_epi64(hi01, hi23),
+                _mm512_unpackhi_epi64(hi01, hi23),
+            ];
+            // Lane i's row's fifth bits, in the lane order of the unpacked nibbles.
+            let qh = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(w0.qh.as_ptr() as *const __m256i)),
+                _mm256_loadu_si256(w1.qh.as_ptr() as *const __m256i),
+                1,
+            );
+            let mut low = [_mm512_setzero_si512(); 4];
+            let mut high = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                // Dword k holds values 4k..4k+4 (low nibbles) and 16+4k.. (high nibbles).
+                let low_bits = fifth_bit_mask(qh, 4 * k as u32, dword_base, bit_of_byte);
+                let high_bits = fifth_bit_mask(qh, 16 + 4 * k as u32, dword_base, bit_of_byte);
+                low[k] = _mm512_and_si512(dwords[k], low_nibble);
+                low[k] = _mm512_mask_add_epi8(low[k], low_bits, low[k], sixteen);
+                high[k] = _mm512_and_si512(_mm512_srli_epi16(dwords[k], 4), low_nibble);
+                high[k] = _mm512_mask_add_epi8(high[k], high_bits, high[k], sixteen);
+            }
+            let d = scales_pair(&w0.d, &w1.d);
+            let a = blocks_at::<N>(&rows, b);
+            let mut sumi = [_mm512_setzero_si512(); N];
+            for k in 0..4 {
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], low[k], act_dword(&a[n].qs, k));
+                }
+                for n in 0..N {
+                    sumi[n] = _mm512_dpbusd_epi32(sumi[n], high[k], act_dword(&a[n].qs, 4 + k));
+                }
+            }
+            for n in 0..N {
+                let sumi = _mm512_sub_epi32(sumi[n], _mm512_set1_epi32(16 * a[n].qsum));
+                // The AVX2 kernel's float steps, in its order.
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(a[n].d));
+                acc[n] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sumi), acc[n]);
+            }
+        }
+        let row_order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+        for (n, acc) in acc.iter().enumerate() {
+            store_token(job, first + n, _mm512_permutexvar_ps(row_order, *acc));
+        }
+    }
+
+    /// A byte mask of the bytes whose value (`4k + j` for byte j of a dword) has its fifth
+    /// bit set: each dword's bits `shift..shift + 4` of `qh`, byte j testing bit `shift + j`.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f and avx512bw.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn fifth_bit_mask(
+        qh: __m512i,
+        shift: u32,
+        dword_base: __m512i,
+        bit_of_byte: __m512i,
+    ) -> __mmask64 {
+        let shifted = _mm512_srlv_epi32(qh, _mm512_set1_epi32(shift as i32));
+        // Every byte of a dword gets the dword's low byte (shuffle within 128-bit lanes).
+        let spread = _mm512_shuffle_epi8(shifted, dword_base);
+        _mm512_test_epi8_mask(spread, bit_of_byte)
     }
 
     /// 16 rows × tokens `first..first + N` of two Q8_0 row groups.

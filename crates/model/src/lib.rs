@@ -24,7 +24,7 @@ pub use forward::{Forward, LogitRows, SeqStep};
 pub use generate::{
     generate, take_complete_utf8, FinishReason, GenerateRequest, GenerateStats, Generated,
 };
-pub use load::{LoadOptions, LoadProgress, Loaded, Model};
+pub use load::{LoadOptions, LoadProgress, Loaded, Model, WeightReport};
 pub use logits::Logits;
 pub use oracle::OracleModel;
 pub use sampling::{logprobs, Sampler, SamplingParams};

@@ -1,6 +1,6 @@
 use crate::{Error, LlamaConfig, Result};
 use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
-use kernels::{Backend, QuantMatrix, RopeTable, WeightFormat, Workers};
+use kernels::{Backend, Fidelity, QuantMatrix, RopeTable, TensorFormat, WeightFormat, Workers};
 use std::path::Path;
 
 /// How to load and run a model.
@@ -51,6 +51,7 @@ pub struct Model {
     pub(crate) rope: RopeTable,
     pub(crate) backend: Backend,
     pub(crate) workers: Workers,
+    pub(crate) weight_report: WeightReport,
 }
 
 impl Model {
@@ -96,24 +97,25 @@ impl Model {
                 tensors_total,
             });
         };
-        let loader = TensorLoader { file, bytes };
+        let loader = TensorLoader {
+            file,
+            bytes,
+            report: Default::default(),
+        };
         let (dim, kv_dim) = (config.dim, config.kv_dim());
         let mut embedding = loader.matrix("token_embd.weight", config.vocab_size, dim)?;
         tick(1);
         let mut layers: Vec<Layer> = Vec::with_capacity(config.layer_count);
         for i in 0..config.layer_count {
             let name = |t: &str| format!("blk.{i}.{t}.weight");
-            let q = loader.matrix(&name("attn_q"), dim, dim)?;
-            let k = loader.matrix(&name("attn_k"), kv_dim, dim)?;
-            let v = loader.matrix(&name("attn_v"), kv_dim, dim)?;
-            let gate = loader.matrix(&name("ffn_gate"), config.ffn_dim, dim)?;
-            let up = loader.matrix(&name("ffn_up"), config.ffn_dim, dim)?;
+            let (q, k, v) = (name("attn_q"), name("attn_k"), name("attn_v"));
+            let (gate, up) = (name("ffn_gate"), name("ffn_up"));
             layers.push(Layer {
                 attn_norm: loader.vector(&name("attn_norm"), dim)?,
-                qkv: QuantMatrix::concat_rows(&[q, k, v])?,
+                qkv: loader.stacked(&[(&q, dim), (&k, kv_dim), (&v, kv_dim)], dim)?,
                 attn_output: loader.matrix(&name("attn_output"), dim, dim)?,
                 ffn_norm: loader.vector(&name("ffn_norm"), dim)?,
-                gate_up: QuantMatrix::concat_rows(&[gate, up])?,
+                gate_up: loader.stacked(&[(&gate, config.ffn_dim), (&up, config.ffn_dim)], dim)?,
                 down: loader.matrix(&name("ffn_down"), dim, config.ffn_dim)?,
             });
             tick(9);
@@ -147,6 +149,7 @@ impl Model {
             output.as_mut().unwrap_or(&mut embedding).add_vnni_layout();
         }
         Ok(Model {
+            weight_report: loader.report.into_inner(),
             rope: RopeTable::new(
                 config.head_dim,
                 config.rope_freq_base,
@@ -170,6 +173,11 @@ impl Model {
         self.backend
     }
 
+    /// How the file's matrices reached the compute layouts, and how faithfully.
+    pub fn weight_report(&self) -> &WeightReport {
+        &self.weight_report
+    }
+
     pub fn thread_count(&self) -> usize {
         self.workers.threads()
     }
@@ -188,6 +196,52 @@ impl Model {
 struct TensorLoader<'a> {
     file: &'a GgufFile,
     bytes: &'a [u8],
+    report: std::cell::RefCell<WeightReport>,
+}
+
+/// How the file's matrices reached the compute layouts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WeightReport {
+    /// One entry per matrix loaded, in order.
+    matrices: Vec<(TensorFormat, WeightFormat, Fidelity)>,
+}
+
+impl WeightReport {
+    fn note(&mut self, format: TensorFormat, layout: WeightFormat, fidelity: Fidelity) {
+        self.matrices.push((format, layout, fidelity));
+    }
+
+    /// Takes back the last `count` notes (matrices loaded again in another layout).
+    fn forget(&mut self, count: usize) {
+        self.matrices
+            .truncate(self.matrices.len().saturating_sub(count));
+    }
+
+    /// Each way a matrix took (file format, layout, fidelity) and how many took it, in the
+    /// order first seen.
+    pub fn entries(&self) -> Vec<(TensorFormat, WeightFormat, Fidelity, usize)> {
+        let mut entries: Vec<(TensorFormat, WeightFormat, Fidelity, usize)> = Vec::new();
+        for &(format, layout, fidelity) in &self.matrices {
+            match entries
+                .iter_mut()
+                .find(|e| (e.0, e.1, e.2) == (format, layout, fidelity))
+            {
+                Some(entry) => entry.3 += 1,
+                None => entries.push((format, layout, fidelity, 1)),
+            }
+        }
+        entries
+    }
+
+    /// One line per way, e.g. `150 × Q5_0 as Q8_0 (exact)`.
+    pub fn lines(&self) -> Vec<String> {
+        self.entries()
+            .iter()
+            .map(|(format, layout, fidelity, count)| {
+                format!("{count} × {format} as {layout:?} ({})", fidelity.describe())
+            })
+            .collect()
+    }
 }
 
 impl TensorLoader<'_> {
@@ -204,35 +258,83 @@ impl TensorLoader<'_> {
         Ok(info.ggml_type)
     }
 
-    /// A `rows × cols` quantized matrix (GGUF dims `[cols, rows]`).
+    /// The format of tensor `name`, if Airlock loads it.
+    fn format(&self, name: &str, ggml_type: GgmlType) -> Result<TensorFormat> {
+        ggml_type
+            .name()
+            .and_then(TensorFormat::from_name)
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "tensor {name} is {ggml_type}; Airlock loads {}",
+                    TensorFormat::supported_names()
+                ))
+            })
+    }
+
+    /// A `rows × cols` matrix (GGUF dims `[cols, rows]`) in its format's compute layout, or
+    /// in `layout`.
+    fn matrix_as(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        layout: Option<WeightFormat>,
+    ) -> Result<QuantMatrix> {
+        let ggml_type = self.check_shape(name, &[cols as u64, rows as u64])?;
+        let format = self.format(name, ggml_type)?;
+        let data = self.file.tensor_bytes(self.bytes, name)?;
+        let (matrix, fidelity) = QuantMatrix::from_tensor(format, rows, cols, data, layout)?;
+        self.report
+            .borrow_mut()
+            .note(format, matrix.format(), fidelity);
+        Ok(matrix)
+    }
+
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QuantMatrix> {
-        let format = match self.check_shape(name, &[cols as u64, rows as u64])? {
-            GgmlType::Q4_1 => WeightFormat::Q4_1,
-            GgmlType::Q8_0 => WeightFormat::Q8_0,
+        self.matrix_as(name, rows, cols, None)
+    }
+
+    /// Matrices `(name, rows)` of `cols` columns stacked into one, so one pass over the
+    /// input serves all (Q, K and V; gate and up). Matrices whose layouts differ (a Q4_K Q
+    /// beside a Q6_K V) all take the layout `kernels::formats::stacking_layout` picks, which
+    /// keeps each one's values.
+    fn stacked(&self, parts: &[(&str, usize)], cols: usize) -> Result<QuantMatrix> {
+        let load = |layout| {
+            parts
+                .iter()
+                .map(|&(name, rows)| self.matrix_as(name, rows, cols, layout))
+                .collect::<Result<Vec<_>>>()
+        };
+        let mut matrices = load(None)?;
+        let layouts: Vec<WeightFormat> = matrices.iter().map(QuantMatrix::format).collect();
+        let target = kernels::formats::stacking_layout(&layouts);
+        if layouts.iter().any(|&layout| layout != target) {
+            self.report.borrow_mut().forget(matrices.len());
+            matrices = load(Some(target))?;
+        }
+        Ok(QuantMatrix::concat_rows(&matrices)?)
+    }
+
+    /// A vector of f32 values (norm weights), from any float format.
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let ggml_type = self.check_shape(name, &[len as u64])?;
+        let format = match self.format(name, ggml_type)? {
+            format @ (TensorFormat::F32 | TensorFormat::F16 | TensorFormat::BF16) => format,
             other => {
                 return Err(Error::Unsupported(format!(
-                    "tensor {name} is {other:?}; this build runs Q4_1 and Q8_0 weights"
+                    "tensor {name} is {other}; vectors must be F32, F16 or BF16"
                 )))
             }
         };
         let data = self.file.tensor_bytes(self.bytes, name)?;
-        Ok(QuantMatrix::from_gguf_bytes(format, rows, cols, data)?)
-    }
-
-    /// An f32 vector (norm weights).
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        match self.check_shape(name, &[len as u64])? {
-            GgmlType::F32 => {}
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "tensor {name} is {other:?}, not F32"
-                )))
-            }
+        let mut values = vec![0f32; len];
+        if data.len() != len * format.block_bytes() {
+            return Err(Error::Unsupported(format!(
+                "tensor {name} holds {} bytes, not {len} {format} values",
+                data.len()
+            )));
         }
-        let data = self.file.tensor_bytes(self.bytes, name)?;
-        Ok(data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        format.dequantize(data, &mut values);
+        Ok(values)
     }
 }

@@ -75,6 +75,41 @@ fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
     );
 }
 
+/// A tensor of a type Airlock does not load is refused by name, with the list of what it loads:
+/// `output_norm.weight`'s type id changed from F32 to I32 (same size, so the file still parses).
+#[test]
+fn a_tensor_type_airlock_does_not_load_is_named_in_a_clear_error() {
+    let mut bytes = std::fs::read(model_path()).expect("model readable");
+    // Tensor info: name (u64 length + bytes), u32 dimension count, u64 dims, u32 type id.
+    let name = b"output_norm.weight";
+    let at = bytes
+        .windows(name.len() + 8)
+        .position(|w| w[..8] == (name.len() as u64).to_le_bytes() && &w[8..] == name)
+        .expect("the tensor info is in the header");
+    let type_at = at + 8 + name.len() + 4 + 8;
+    assert_eq!(
+        bytes[type_at..type_at + 4],
+        0u32.to_le_bytes(),
+        "an F32 vector"
+    );
+    bytes[type_at..type_at + 4].copy_from_slice(&26u32.to_le_bytes());
+    let dir = crate::harness::scratch().join(format!("airlock-cli-type-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let patched = dir.join("i32-norm.gguf");
+    std::fs::write(&patched, &bytes).expect("write temp model");
+    let output = airlock()
+        .args(["generate", "--prompt", "hi", "--model"])
+        .arg(&patched)
+        .output()
+        .expect("the binary runs");
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(output.status.code(), Some(1), "an error exit, not a panic");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for needed in ["output_norm.weight is I32", "Q4_K", "Q6_K", "BF16"] {
+        assert!(stderr.contains(needed), "stderr says {needed:?}: {stderr}");
+    }
+}
+
 #[test]
 fn generate_streams_greedy_text_and_reports_speed() {
     let output = airlock()

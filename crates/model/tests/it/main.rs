@@ -13,6 +13,7 @@
 
 mod common;
 mod exact;
+mod formats;
 mod generate;
 mod isolation;
 mod prefix;
