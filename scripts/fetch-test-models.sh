@@ -2,8 +2,10 @@
 # Makes the test models of the tensor-format tests: SmolLM2-135M-Instruct requantized from the
 # shipped Q4_1 file to Q4_0, Q5_0, Q5_1, Q8_0, Q4_K_M, Q5_K_M, Q6_K and F16 by llama.cpp's own
 # llama-quantize, built from the llama.cpp sources vendored in the llama-cpp-python sdist
-# (PyPI only; about 3 minutes on 2 cores, once). Each file is sha256-checked: the committed
-# llama.cpp references (tests/data/formats/<TYPE>/) were made from exactly these bytes.
+# (PyPI only; about 3 minutes on 2 cores, once), and the Q4_1 file with Llama 3's RoPE
+# frequency scaling added (`llama3-rope`, scripts/make-rope-scaled-model.py, with the sdist's
+# gguf-py). Each file is sha256-checked: the committed llama.cpp references
+# (tests/data/formats/<TYPE>/) were made from exactly these bytes.
 # Idempotent: files already there with the right sha256 are kept, and the tool is built once.
 #
 # Destination: $AIRLOCK_TEST_MODELS if set, else <repo>/models/requant/ (git-ignored).
@@ -28,6 +30,7 @@ Q4_K_M dc0f3a02e821146247a0af6895adf9872124f368682cb110cb9ed09ff2a9f9f1
 Q5_K_M 8170c7ef444692b3b2fe63459c326def0358807ef9be6e3cb020efb86a71015e
 Q6_K a969ae2086dd4945a7c61594bf72b2bcc3b7df8571c92aed8f213918673a7f80
 F16 a269e3181fcbb25046f99f64ba8d3c159165b211c2ff4ffca7ba1bb219d2ccd0
+llama3-rope c10edd45036e8c3df3e924190e218889b91c9ff4a52d8030eeb3908e954c8827
 "
 
 sha_of() { sha256sum "$1" | cut -d' ' -f1; }
@@ -49,11 +52,18 @@ if [[ ! -f "$SOURCE" ]]; then
     exit 1
 fi
 
+SDIST="$TOOLS/llama_cpp_python-$VER"
+if [[ ! -d "$SDIST" ]]; then
+    mkdir -p "$TOOLS"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps \
+        --no-binary llama-cpp-python "llama-cpp-python==$VER" -d "$TOOLS"
+    tar xzf "$TOOLS/llama_cpp_python-$VER.tar.gz" -C "$TOOLS"
+fi
+
 QUANTIZE="${AIRLOCK_LLAMA_QUANTIZE:-$TOOLS/build/bin/llama-quantize}"
 if [[ ! -x "$QUANTIZE" ]]; then
     echo "fetch-test-models: building llama-quantize from llama-cpp-python $VER's sources" \
         "(about 3 minutes, once)"
-    mkdir -p "$TOOLS"
     if ! command -v c++ >/dev/null && command -v apt-get >/dev/null; then
         echo "fetch-test-models: installing a C++ compiler (Debian's g++)"
         export DEBIAN_FRONTEND=noninteractive
@@ -63,13 +73,8 @@ if [[ ! -x "$QUANTIZE" ]]; then
     pip_install() { python3 -m pip install --quiet --disable-pip-version-check "$@" cmake ninja; }
     command -v cmake >/dev/null && command -v ninja >/dev/null \
         || pip_install || pip_install --break-system-packages
-    if [[ ! -d "$TOOLS/llama_cpp_python-$VER" ]]; then
-        python3 -m pip download --quiet --disable-pip-version-check --no-deps \
-            --no-binary llama-cpp-python "llama-cpp-python==$VER" -d "$TOOLS"
-        tar xzf "$TOOLS/llama_cpp_python-$VER.tar.gz" -C "$TOOLS"
-    fi
     # Portable (no -march=native): quantizing is scalar C, so the bytes do not depend on it.
-    cmake -S "$TOOLS/llama_cpp_python-$VER/vendor/llama.cpp" -B "$TOOLS/build" -G Ninja \
+    cmake -S "$SDIST/vendor/llama.cpp" -B "$TOOLS/build" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF \
@@ -83,8 +88,19 @@ for type in "${missing[@]}"; do
     file="$DEST/SmolLM2-135M-Instruct.$type.gguf"
     want="$(awk -v t="$type" '$1 == t { print $2 }' <<<"$EXPECTED")"
     echo "fetch-test-models: $type"
-    "$QUANTIZE" --allow-requantize "$SOURCE" "$file.part" "$type" 2 >"$DEST/$type.log" 2>&1 \
-        || { tail -20 "$DEST/$type.log" >&2; exit 1; }
+    if [[ "$type" == llama3-rope ]]; then
+        python3 -c "import numpy" 2>/dev/null || {
+            python3 -m pip install --quiet --disable-pip-version-check numpy \
+                || python3 -m pip install --quiet --disable-pip-version-check \
+                    --break-system-packages numpy
+        }
+        PYTHONPATH="$SDIST/vendor/llama.cpp/gguf-py" python3 \
+            "$SCRIPT_DIR/make-rope-scaled-model.py" "$SOURCE" "$file.part" >"$DEST/$type.log" 2>&1 \
+            || { tail -20 "$DEST/$type.log" >&2; exit 1; }
+    else
+        "$QUANTIZE" --allow-requantize "$SOURCE" "$file.part" "$type" 2 >"$DEST/$type.log" 2>&1 \
+            || { tail -20 "$DEST/$type.log" >&2; exit 1; }
+    fi
     got="$(sha_of "$file.part")"
     if [[ "$got" != "$want" ]]; then
         echo "fetch-test-models: error: $type came out with sha256 $got, expected $want" >&2

@@ -257,14 +257,30 @@ pub struct RopeTable {
 
 impl RopeTable {
     pub fn new(head_dim: usize, freq_base: f32, positions: usize) -> RopeTable {
+        RopeTable::with_freq_factors(head_dim, freq_base, positions, &[])
+    }
+
+    /// As `new`, with pair i's angle divided by `factors[i]` (a GGUF's `rope_freqs.weight`:
+    /// Llama 3's frequency scaling), as llama.cpp divides it; no factors, no division.
+    pub fn with_freq_factors(
+        head_dim: usize,
+        freq_base: f32,
+        positions: usize,
+        factors: &[f32],
+    ) -> RopeTable {
         assert!(head_dim.is_multiple_of(2), "rotary dimension is even");
         let pairs = head_dim / 2;
+        assert!(
+            factors.is_empty() || factors.len() == pairs,
+            "one frequency factor per rotary pair"
+        );
         let theta_scale = freq_base.powf(-2.0 / head_dim as f32);
         let mut cos_sin = Vec::with_capacity(positions * pairs);
         for pos in 0..positions {
             let mut theta = pos as f32;
-            for _ in 0..pairs {
-                cos_sin.push((theta.cos(), theta.sin()));
+            for pair in 0..pairs {
+                let angle = factors.get(pair).map_or(theta, |factor| theta / factor);
+                cos_sin.push((angle.cos(), angle.sin()));
                 theta *= theta_scale;
             }
         }

@@ -863,3 +863,28 @@ fn only_whole_pages_count_as_full() {
         assert!(!att.page_is_full(usize::MAX / page_size), "no overflow");
     }
 }
+
+/// Frequency factors divide each pair's angle; none (or all 1) leave the table's bits alone.
+#[test]
+fn rope_frequency_factors_divide_each_pairs_angle() {
+    let (head_dim, base, positions) = (8, 10_000.0, 40);
+    let plain = RopeTable::new(head_dim, base, positions);
+    let ones = RopeTable::with_freq_factors(head_dim, base, positions, &[1.0; 4]);
+    let scaled = RopeTable::with_freq_factors(head_dim, base, positions, &[1.0, 2.0, 4.0, 8.0]);
+    let rotate = |table: &RopeTable, pos| {
+        let mut x = [1.0f32, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0];
+        table.apply(&mut x, pos);
+        x
+    };
+    for pos in 0..positions {
+        assert_eq!(rotate(&plain, pos), rotate(&ones, pos), "position {pos}");
+        let (x, expected) = (rotate(&scaled, pos), rotate(&plain, pos));
+        // Pair 0 is unscaled; pair 3's angle is an eighth of the plain one's.
+        assert_eq!(x[..2], expected[..2]);
+        let plain_angle = expected[7].atan2(expected[6]);
+        let angle = x[7].atan2(x[6]);
+        if pos > 0 {
+            assert!((angle - plain_angle / 8.0).abs() < 1e-5, "position {pos}");
+        }
+    }
+}

@@ -148,12 +148,18 @@ impl Model {
             // its weights for a smaller share of the step.
             output.as_mut().unwrap_or(&mut embedding).add_vnni_layout();
         }
+        // Llama 3's RoPE frequency scaling: one factor per rotary pair, when the file has them.
+        let rope_factors = match file.tensor("rope_freqs.weight") {
+            Ok(_) => loader.vector("rope_freqs.weight", config.head_dim / 2)?,
+            Err(_) => Vec::new(),
+        };
         Ok(Model {
             weight_report: loader.report.into_inner(),
-            rope: RopeTable::new(
+            rope: RopeTable::with_freq_factors(
                 config.head_dim,
                 config.rope_freq_base,
                 config.context_length,
+                &rope_factors,
             ),
             config,
             embedding,

@@ -1,6 +1,7 @@
 //! Every tensor format Airlock loads, on a real model: SmolLM2-135M-Instruct requantized by
 //! llama.cpp's own `llama-quantize` (scripts/fetch-test-models.sh) to Q4_0, Q5_0, Q5_1, Q8_0,
-//! Q4_K_M, Q5_K_M, Q6_K and F16, each held to llama.cpp on the same file
+//! Q4_K_M, Q5_K_M, Q6_K and F16, and the Q4_1 file with Llama 3's RoPE frequency scaling added
+//! (`llama3-rope`), each held to llama.cpp on the same file
 //! (`tests/data/formats/<TYPE>/reference.json`, `make_reference.py --top-logits 20`, AVX-512
 //! build): first-step logits, and greedy tokens up to a near-tie.
 //!
@@ -201,4 +202,11 @@ fn q6_k_file_agrees_with_llama_cpp() {
 #[test]
 fn f16_file_agrees_with_llama_cpp() {
     check_file("F16");
+}
+
+/// Llama 3's RoPE frequency scaling: the Q4_1 file with a `rope_freqs.weight` tensor
+/// (scripts/make-rope-scaled-model.py), whose factors divide most pairs' angles by up to 8.
+#[test]
+fn llama3_rope_scaled_file_agrees_with_llama_cpp() {
+    check_file("llama3-rope");
 }
