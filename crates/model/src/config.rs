@@ -21,7 +21,8 @@ impl LlamaConfig {
         let arch = file.get_str("general.architecture")?;
         if arch != "llama" {
             return Err(Error::Unsupported(format!(
-                "architecture {arch:?} (only llama)"
+                "architecture {arch:?}; Airlock loads llama (qwen2, qwen3 and gemma3 are not \
+                 supported yet)"
             )));
         }
         let key = |name: &str| format!("llama.{name}");

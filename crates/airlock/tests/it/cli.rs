@@ -110,6 +110,40 @@ fn a_tensor_type_airlock_does_not_load_is_named_in_a_clear_error() {
     }
 }
 
+/// A model of an architecture Airlock does not run is refused by name, with what it runs:
+/// `general.architecture` changed from `llama` to `qwen2` (same length, so the file parses).
+#[test]
+fn an_architecture_airlock_does_not_run_is_named_in_a_clear_error() {
+    let mut bytes = std::fs::read(model_path()).expect("model readable");
+    // Key (u64 length + bytes), u32 value type 8 (string), u64 length 5, "llama".
+    let key = b"general.architecture";
+    let mut entry = (key.len() as u64).to_le_bytes().to_vec();
+    entry.extend_from_slice(key);
+    entry.extend_from_slice(&8u32.to_le_bytes());
+    entry.extend_from_slice(&5u64.to_le_bytes());
+    let at = bytes
+        .windows(entry.len() + 5)
+        .position(|w| w[..entry.len()] == entry[..] && &w[entry.len()..] == b"llama")
+        .expect("the architecture key is in the header")
+        + entry.len();
+    bytes[at..at + 5].copy_from_slice(b"qwen2");
+    let dir = crate::harness::scratch().join(format!("airlock-cli-arch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let patched = dir.join("qwen2.gguf");
+    std::fs::write(&patched, &bytes).expect("write temp model");
+    let output = airlock()
+        .args(["generate", "--prompt", "hi", "--model"])
+        .arg(&patched)
+        .output()
+        .expect("the binary runs");
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(output.status.code(), Some(1), "an error exit, not a panic");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for needed in ["\"qwen2\"", "Airlock loads llama"] {
+        assert!(stderr.contains(needed), "stderr says {needed:?}: {stderr}");
+    }
+}
+
 #[test]
 fn generate_streams_greedy_text_and_reports_speed() {
     let output = airlock()
