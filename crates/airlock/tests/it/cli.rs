@@ -50,25 +50,49 @@ fn missing_model_fails_with_the_fetch_command() {
     );
 }
 
-#[test]
-fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
-    let bytes = std::fs::read(model_path()).expect("model readable");
-    let dir = crate::harness::scratch().join(format!("airlock-cli-{}", std::process::id()));
+/// Runs `generate` on a copy of the model with `damage` done to its bytes, asserts it exits
+/// with an error (1, not a panic's 101), and returns its stderr.
+fn generate_on_damaged_model(name: &str, damage: impl FnOnce(&mut Vec<u8>)) -> String {
+    let mut bytes = std::fs::read(model_path()).expect("model readable");
+    damage(&mut bytes);
+    let dir = crate::harness::scratch().join(format!("airlock-cli-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let truncated = dir.join("truncated.gguf");
-    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).expect("write temp model");
+    let damaged = dir.join(format!("{name}.gguf"));
+    std::fs::write(&damaged, &bytes).expect("write temp model");
     let output = airlock()
         .args(["generate", "--prompt", "hi", "--model"])
-        .arg(&truncated)
+        .arg(&damaged)
         .output()
         .expect("the binary runs");
     std::fs::remove_dir_all(&dir).ok();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     assert_eq!(
         output.status.code(),
         Some(1),
-        "an error exit, not a panic (101)"
+        "an error exit, not a panic: {stderr}"
     );
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    stderr
+}
+
+/// Where a header entry `prefix` followed by `value` starts its value.
+fn header_value_at(bytes: &[u8], prefix: &[u8], value: &[u8]) -> usize {
+    bytes
+        .windows(prefix.len() + value.len())
+        .position(|w| &w[..prefix.len()] == prefix && &w[prefix.len()..] == value)
+        .expect("the entry is in the header")
+        + prefix.len()
+}
+
+/// A GGUF string: its u64 length, then its bytes.
+fn gguf_string(text: &[u8]) -> Vec<u8> {
+    let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(text);
+    bytes
+}
+
+#[test]
+fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
+    let stderr = generate_on_damaged_model("truncated", |bytes| bytes.truncate(bytes.len() / 3));
     assert!(
         stderr.contains("truncated.gguf"),
         "stderr names the file: {stderr}"
@@ -79,32 +103,14 @@ fn truncated_model_file_is_refused_with_an_error_not_a_panic() {
 /// `output_norm.weight`'s type id changed from F32 to I32 (same size, so the file still parses).
 #[test]
 fn a_tensor_type_airlock_does_not_load_is_named_in_a_clear_error() {
-    let mut bytes = std::fs::read(model_path()).expect("model readable");
-    // Tensor info: name (u64 length + bytes), u32 dimension count, u64 dims, u32 type id.
-    let name = b"output_norm.weight";
-    let at = bytes
-        .windows(name.len() + 8)
-        .position(|w| w[..8] == (name.len() as u64).to_le_bytes() && &w[8..] == name)
-        .expect("the tensor info is in the header");
-    let type_at = at + 8 + name.len() + 4 + 8;
-    assert_eq!(
-        bytes[type_at..type_at + 4],
-        0u32.to_le_bytes(),
-        "an F32 vector"
-    );
-    bytes[type_at..type_at + 4].copy_from_slice(&26u32.to_le_bytes());
-    let dir = crate::harness::scratch().join(format!("airlock-cli-type-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let patched = dir.join("i32-norm.gguf");
-    std::fs::write(&patched, &bytes).expect("write temp model");
-    let output = airlock()
-        .args(["generate", "--prompt", "hi", "--model"])
-        .arg(&patched)
-        .output()
-        .expect("the binary runs");
-    std::fs::remove_dir_all(&dir).ok();
-    assert_eq!(output.status.code(), Some(1), "an error exit, not a panic");
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = generate_on_damaged_model("i32-norm", |bytes| {
+        // Tensor info: name, u32 dimension count (1), u64 dimension (576), u32 type id (F32).
+        let mut prefix = gguf_string(b"output_norm.weight");
+        prefix.extend_from_slice(&1u32.to_le_bytes());
+        prefix.extend_from_slice(&576u64.to_le_bytes());
+        let at = header_value_at(bytes, &prefix, &0u32.to_le_bytes());
+        bytes[at..at + 4].copy_from_slice(&26u32.to_le_bytes());
+    });
     for needed in ["output_norm.weight is I32", "Q4_K", "Q6_K", "BF16"] {
         assert!(stderr.contains(needed), "stderr says {needed:?}: {stderr}");
     }
@@ -114,31 +120,14 @@ fn a_tensor_type_airlock_does_not_load_is_named_in_a_clear_error() {
 /// `general.architecture` changed from `llama` to `qwen2` (same length, so the file parses).
 #[test]
 fn an_architecture_airlock_does_not_run_is_named_in_a_clear_error() {
-    let mut bytes = std::fs::read(model_path()).expect("model readable");
-    // Key (u64 length + bytes), u32 value type 8 (string), u64 length 5, "llama".
-    let key = b"general.architecture";
-    let mut entry = (key.len() as u64).to_le_bytes().to_vec();
-    entry.extend_from_slice(key);
-    entry.extend_from_slice(&8u32.to_le_bytes());
-    entry.extend_from_slice(&5u64.to_le_bytes());
-    let at = bytes
-        .windows(entry.len() + 5)
-        .position(|w| w[..entry.len()] == entry[..] && &w[entry.len()..] == b"llama")
-        .expect("the architecture key is in the header")
-        + entry.len();
-    bytes[at..at + 5].copy_from_slice(b"qwen2");
-    let dir = crate::harness::scratch().join(format!("airlock-cli-arch-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let patched = dir.join("qwen2.gguf");
-    std::fs::write(&patched, &bytes).expect("write temp model");
-    let output = airlock()
-        .args(["generate", "--prompt", "hi", "--model"])
-        .arg(&patched)
-        .output()
-        .expect("the binary runs");
-    std::fs::remove_dir_all(&dir).ok();
-    assert_eq!(output.status.code(), Some(1), "an error exit, not a panic");
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = generate_on_damaged_model("qwen2", |bytes| {
+        // Key, u32 value type 8 (string), then the value as a GGUF string.
+        let mut prefix = gguf_string(b"general.architecture");
+        prefix.extend_from_slice(&8u32.to_le_bytes());
+        prefix.extend_from_slice(&5u64.to_le_bytes());
+        let at = header_value_at(bytes, &prefix, b"llama");
+        bytes[at..at + 5].copy_from_slice(b"qwen2");
+    });
     for needed in ["\"qwen2\"", "Airlock loads llama"] {
         assert!(stderr.contains(needed), "stderr says {needed:?}: {stderr}");
     }
