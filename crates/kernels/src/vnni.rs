@@ -233,6 +233,7 @@ mod x86 {
 
     const _: () = assert!(
         std::mem::offset_of!(Q41GroupBlock, qs) == 0
+            && std::mem::offset_of!(Q50GroupBlock, qs) == 0
             && std::mem::offset_of!(Q80GroupBlock, qs) == 0
             && std::mem::offset_of!(Q80PairBlock, qs) == 0
     );

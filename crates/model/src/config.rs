@@ -54,6 +54,9 @@ impl LlamaConfig {
         if self.head_count == 0 || self.kv_head_count == 0 || self.layer_count == 0 {
             return bad("zero heads or layers");
         }
+        if self.dim == 0 || self.ffn_dim == 0 {
+            return bad("zero embedding or feed-forward width");
+        }
         if !self.dim.is_multiple_of(self.head_count)
             || !self.head_count.is_multiple_of(self.kv_head_count)
         {
@@ -88,6 +91,44 @@ impl LlamaConfig {
             kv_head_count: self.kv_head_count,
             head_dim: self.head_dim,
             page_size_tokens,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm2() -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: 49152,
+            dim: 576,
+            ffn_dim: 1536,
+            layer_count: 30,
+            head_count: 9,
+            kv_head_count: 3,
+            head_dim: 64,
+            rope_freq_base: 100_000.0,
+            norm_eps: 1e-5,
+            context_length: 8192,
+        }
+    }
+
+    /// A hostile header's zero widths are refused here, before any matrix of that shape is
+    /// built (a zero width once reached the requantizer's row loop).
+    #[test]
+    fn zero_widths_and_counts_are_refused() {
+        assert!(smollm2().check().is_ok());
+        let zeroed: [fn(&mut LlamaConfig); 4] = [
+            |c| c.dim = 0,
+            |c| c.ffn_dim = 0,
+            |c| c.head_count = 0,
+            |c| c.layer_count = 0,
+        ];
+        for zero in zeroed {
+            let mut config = smollm2();
+            zero(&mut config);
+            assert!(config.check().is_err(), "{config:?}");
         }
     }
 }

@@ -48,7 +48,9 @@ pub enum Fidelity {
     /// relative error of at most 2⁻¹¹ on each): Q4_K as Q4_1, Q5_K as Q8Offset.
     RoundedScales,
     /// Dequantized and quantized again to Q8_0: each value within half a Q8_0 step (the
-    /// block's largest magnitude / 254, times 1.002 for the f16 scale) of the file's.
+    /// block's largest magnitude / 254, times 1.002 for the f16 scale) of the file's, for a
+    /// block whose scale is a normal f16 (largest magnitude at least 127 × 2⁻¹⁴); below that
+    /// the f16 scale loses precision, as in ggml's own Q8_0.
     Requantized,
 }
 

@@ -156,6 +156,9 @@ fn hostile_bytes_get_errors_or_values_never_a_panic() {
         assert!(transcode(format, rows + 1, cols, &blocks).is_err());
         assert!(transcode(format, rows, cols + 1, &blocks).is_err());
         assert!(transcode(format, usize::MAX, cols, &blocks).is_err());
+        // An empty matrix (a width or height of 0 in a hostile header) is refused.
+        assert!(transcode(format, rows, 0, &[]).is_err());
+        assert!(transcode(format, 0, cols, &[]).is_err());
         // Every f16 a NaN or an infinity: values may be NaN, but nothing panics.
         for fill in [0xFFu8, 0x7C] {
             let hostile = vec![fill; rows * row];

@@ -23,6 +23,10 @@ pub fn transcode(
     cols: usize,
     bytes: &[u8],
 ) -> Result<Transcoded<'_>> {
+    // An empty matrix has no blocks to turn (and no row to step by).
+    if rows == 0 || cols == 0 {
+        return Err(Error::UnsupportedShape { rows, cols });
+    }
     let expected = format
         .row_bytes(cols)
         .filter(|_| cols.is_multiple_of(BLOCK))
