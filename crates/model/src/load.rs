@@ -1,5 +1,6 @@
 use crate::{Error, LlamaConfig, Result};
 use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
+use kernels::formats::Transcoded;
 use kernels::{Backend, Fidelity, QuantMatrix, RopeTable, TensorFormat, WeightFormat, Workers};
 use std::path::Path;
 
@@ -217,12 +218,6 @@ impl WeightReport {
         self.matrices.push((format, layout, fidelity));
     }
 
-    /// Takes back the last `count` notes (matrices loaded again in another layout).
-    fn forget(&mut self, count: usize) {
-        self.matrices
-            .truncate(self.matrices.len().saturating_sub(count));
-    }
-
     /// Each way a matrix took (file format, layout, fidelity) and how many took it, in the
     /// order first seen.
     pub fn entries(&self) -> Vec<(TensorFormat, WeightFormat, Fidelity, usize)> {
@@ -277,27 +272,43 @@ impl TensorLoader<'_> {
             })
     }
 
-    /// A `rows × cols` matrix (GGUF dims `[cols, rows]`) in its format's compute layout, or
-    /// in `layout`.
-    fn matrix_as(
+    /// Tensor `name`, a `rows × cols` matrix (GGUF dims `[cols, rows]`), turned into its
+    /// format's compute layout, with its format.
+    fn transcoded(
         &self,
         name: &str,
         rows: usize,
         cols: usize,
-        layout: Option<WeightFormat>,
-    ) -> Result<QuantMatrix> {
+    ) -> Result<(TensorFormat, Transcoded<'_>)> {
         let ggml_type = self.check_shape(name, &[cols as u64, rows as u64])?;
         let format = self.format(name, ggml_type)?;
         let data = self.file.tensor_bytes(self.bytes, name)?;
-        let (matrix, fidelity) = QuantMatrix::from_tensor(format, rows, cols, data, layout)?;
+        Ok((
+            format,
+            kernels::formats::transcode(format, rows, cols, data)?,
+        ))
+    }
+
+    /// A matrix of `transcoded` blocks, noted in the report.
+    fn build(
+        &self,
+        format: TensorFormat,
+        transcoded: &Transcoded<'_>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QuantMatrix> {
+        let matrix =
+            QuantMatrix::from_gguf_bytes(transcoded.layout, rows, cols, &transcoded.bytes)?;
         self.report
             .borrow_mut()
-            .note(format, matrix.format(), fidelity);
+            .note(format, transcoded.layout, transcoded.fidelity);
         Ok(matrix)
     }
 
+    /// A `rows × cols` matrix in its format's compute layout.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<QuantMatrix> {
-        self.matrix_as(name, rows, cols, None)
+        let (format, transcoded) = self.transcoded(name, rows, cols)?;
+        self.build(format, &transcoded, rows, cols)
     }
 
     /// Matrices `(name, rows)` of `cols` columns stacked into one, so one pass over the
@@ -305,19 +316,21 @@ impl TensorLoader<'_> {
     /// beside a Q6_K V) all take the layout `kernels::formats::stacking_layout` picks, which
     /// keeps each one's values.
     fn stacked(&self, parts: &[(&str, usize)], cols: usize) -> Result<QuantMatrix> {
-        let load = |layout| {
-            parts
-                .iter()
-                .map(|&(name, rows)| self.matrix_as(name, rows, cols, layout))
-                .collect::<Result<Vec<_>>>()
-        };
-        let mut matrices = load(None)?;
-        let layouts: Vec<WeightFormat> = matrices.iter().map(QuantMatrix::format).collect();
+        let transcoded = parts
+            .iter()
+            .map(|&(name, rows)| self.transcoded(name, rows, cols))
+            .collect::<Result<Vec<_>>>()?;
+        let layouts: Vec<WeightFormat> = transcoded.iter().map(|(_, t)| t.layout).collect();
         let target = kernels::formats::stacking_layout(&layouts);
-        if layouts.iter().any(|&layout| layout != target) {
-            self.report.borrow_mut().forget(matrices.len());
-            matrices = load(Some(target))?;
-        }
+        let matrices = transcoded
+            .into_iter()
+            .zip(parts)
+            .map(|((format, transcoded), &(_, rows))| {
+                let transcoded = kernels::formats::into_layout(transcoded, target)
+                    .ok_or(kernels::Error::ConcatMismatch)?;
+                self.build(format, &transcoded, rows, cols)
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(QuantMatrix::concat_rows(&matrices)?)
     }
 
