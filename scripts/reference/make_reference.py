@@ -210,6 +210,9 @@ def main() -> int:
     ap.add_argument("--top-logits", type=int, metavar="N",
                     help="store only the N largest first-step logits (ids and values) in the "
                          "json instead of writing logits files (for the other model files)")
+    ap.add_argument("--add-bos", action="store_true",
+                    help="start every prompt with the model's BOS token (for models that "
+                         "expect it, as Gemma does); recorded as \"add_bos\": true")
     args = ap.parse_args()
 
     import llama_cpp  # imported late so --help works without it
@@ -255,6 +258,8 @@ def main() -> int:
         else:
             text = p["prompt"]
             toks = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+        if args.add_bos:
+            toks = [llm.token_bos()] + toks
         if name == "long_city" and not (LONG_RANGE[0] <= len(toks) <= LONG_RANGE[1]):
             raise SystemExit(f"long prompt has {len(toks)} tokens, want {LONG_RANGE}")
 
@@ -317,6 +322,7 @@ def main() -> int:
         "n_vocab": n_vocab,
         "eos_token_id": eos,
         "bos_token_id": llm.token_bos(),
+        "add_bos": args.add_bos,
         "n_new_tokens": N_NEW,
         "sampling": "greedy argmax over raw logits (lowest index on ties); "
                     "no stop at EOS; manual eval() loop",

@@ -96,7 +96,7 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         args.prompt.clone()
     };
-    let prompt = loaded.tokenizer.encode(&text, args.chat);
+    let prompt = loaded.tokenizer.encode_prompt(&text, args.chat);
     if args.show_tokens {
         eprintln!("prompt tokens: {prompt:?}");
     }

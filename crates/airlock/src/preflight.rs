@@ -58,7 +58,7 @@ fn model_shape(model: &ModelArgs) -> Result<(ModelShape, u64)> {
     let path = model.resolve_model()?;
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let file = GgufFile::parse(&bytes)?;
-    let config = model::LlamaConfig::from_gguf(&file)?;
+    let config = model::ModelConfig::from_gguf(&file)?;
     let shape = ModelShape {
         layer_count: config.layer_count as u64,
         kv_head_count: config.kv_head_count as u64,

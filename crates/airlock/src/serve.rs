@@ -326,11 +326,16 @@ fn read_model_file(args: &CommonArgs) -> Result<ModelFile> {
     let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
     let file = GgufFile::parse(&bytes).with_context(|| format!("parsing {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
-    let chat_template = match file.get_str("tokenizer.chat_template") {
-        Ok(_) => Some(ChatTemplate::from_gguf(&file)?),
-        Err(_) => None,
-    };
-    let config = model::LlamaConfig::from_gguf(&file)?;
+    let (chat_template, own) = ChatTemplate::from_gguf_or_family(&file)?;
+    if !own {
+        tracing::warn!(
+            model = %path.display(),
+            "the model file has no chat template; chat requests are rendered with its \
+             family's turn format (Gemma's for gemma3, ChatML otherwise)"
+        );
+    }
+    let chat_template = Some(chat_template);
+    let config = model::ModelConfig::from_gguf(&file)?;
     if let Some(ContextSetting::Tokens(n)) = args.context_length {
         if n > config.context_length as u64 {
             bail!(

@@ -58,7 +58,7 @@ impl ModelFacts {
         let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         let file =
             gguf::GgufFile::parse(&bytes).with_context(|| format!("parsing {}", path.display()))?;
-        let config = model::LlamaConfig::from_gguf(&file)?;
+        let config = model::ModelConfig::from_gguf(&file)?;
         Ok(ModelFacts {
             layout: config.kv_layout(PAGE_SIZE_TOKENS),
             context_length: config.context_length,

@@ -14,6 +14,21 @@ use crate::{Error, GgufFile, Result, Value};
 const TEMPLATE_NAME: &str = "chat_template";
 const KEY_TEMPLATE: &str = "tokenizer.chat_template";
 
+/// ChatML turns: what a file without a template of its own is served with.
+const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n\
+{{ message['content'] }}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// Gemma's turns (`<start_of_turn>user` … `<end_of_turn>`, the assistant's role named
+/// `model`, no system role: a system message opens the first user turn), BOS first.
+const GEMMA_TURNS: &str = "{{ bos_token }}{% set system = namespace(text='') %}\
+{% for message in messages %}{% if message['role'] == 'system' %}\
+{% set system.text = system.text + message['content'] + '\n\n' %}{% else %}\
+<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n\
+{% if message['role'] == 'user' %}{{ system.text }}{% set system.text = '' %}{% endif %}\
+{{ message['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}\
+{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
@@ -70,7 +85,25 @@ impl ChatTemplate {
     /// The template in `tokenizer.chat_template`, with the BOS and EOS token
     /// texts taken from the vocabulary (empty when the file names none).
     pub fn from_gguf(file: &GgufFile) -> Result<ChatTemplate> {
-        let source = file.get_str(KEY_TEMPLATE)?;
+        ChatTemplate::with_tokens_of(file, file.get_str(KEY_TEMPLATE)?)
+    }
+
+    /// The file's template, or where it has none the turn format of its family (Gemma's for
+    /// `gemma3`, ChatML otherwise, as llama.cpp falls back to ChatML); the flag says
+    /// whether it is the file's own.
+    pub fn from_gguf_or_family(file: &GgufFile) -> Result<(ChatTemplate, bool)> {
+        if file.get(KEY_TEMPLATE).is_some() {
+            return Ok((ChatTemplate::from_gguf(file)?, true));
+        }
+        let source = match file.get_str("general.architecture") {
+            Ok("gemma3") => GEMMA_TURNS,
+            _ => CHATML,
+        };
+        Ok((ChatTemplate::with_tokens_of(file, source)?, false))
+    }
+
+    /// `source`, seeing the file's BOS and EOS token texts.
+    fn with_tokens_of(file: &GgufFile, source: &str) -> Result<ChatTemplate> {
         let token_text = |key: &str| -> Result<String> {
             let Some(_) = file.get(key) else {
                 return Ok(String::new());
@@ -154,6 +187,30 @@ fn template_error(err: minijinja::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The turn formats a file without a template gets: Gemma's (system folded into the
+    /// first user turn, the assistant named `model`, BOS first) and ChatML.
+    #[test]
+    fn family_turn_formats_render_as_their_models_expect() {
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", " Hi "),
+            ChatMessage::new("assistant", "Hello."),
+            ChatMessage::new("user", "Bye"),
+        ];
+        let gemma = ChatTemplate::new(GEMMA_TURNS, "<bos>", "<eos>").expect("compiles");
+        assert_eq!(
+            gemma.render(&msgs, true).expect("renders"),
+            "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n\
+             <start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        let chatml = ChatTemplate::new(CHATML, "", "").expect("compiles");
+        assert_eq!(
+            chatml.render(&msgs[1..2], true).expect("renders"),
+            "<|im_start|>user\n Hi <|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
 
     #[test]
     fn renders_messages_and_special_strings() {

@@ -109,7 +109,10 @@ pub enum Error {
     },
 
     /// The tokenizer kind (`tokenizer.ggml.model`) is not supported.
-    #[error("unsupported tokenizer model {model:?}: only \"gpt2\" (byte-level BPE) is supported")]
+    #[error(
+        "unsupported tokenizer model {model:?}: Airlock loads \"gpt2\" (byte-level BPE) and \
+         \"llama\" (SentencePiece)"
+    )]
     UnsupportedTokenizer { model: String },
 
     /// The tokenizer metadata is inconsistent.

@@ -8,8 +8,8 @@
 //!   ([`MAX_STRING_LEN`], [`MAX_ARRAY_LEN`], ...);
 //! - typed metadata getters that name the key in their errors;
 //! - the byte-level BPE tokenizer stored in the file ([`Tokenizer`]), matching
-//!   llama.cpp's tokenization for `gpt2` vocabularies with the `smollm`
-//!   (and `gpt-2`) pre-tokenizer;
+//!   llama.cpp's tokenization for `gpt2` vocabularies with the `smollm`,
+//!   `gpt-2`, `llama-bpe` (Llama 3) and `qwen2` pre-tokenizers;
 //! - the chat template renderer ([`ChatTemplate`]), using MiniJinja.
 //!
 //! What it is not:

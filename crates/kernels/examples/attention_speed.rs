@@ -104,6 +104,7 @@ fn main() {
                 page_size: PAGE,
                 head_dim: HEAD_DIM,
                 len: context,
+                masked: 0,
                 scale: 0.125,
             }
             .run(backend, &queries, &mut out);

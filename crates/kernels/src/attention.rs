@@ -107,6 +107,9 @@ pub struct KvHeadAttention<'a> {
     pub page_size: usize,
     pub head_dim: usize,
     pub len: usize,
+    /// Positions below this get no weight (a sliding window's start, within the first page
+    /// given; 0 attends to every position).
+    pub masked: usize,
     /// Multiplies every score (1/√head_dim).
     pub scale: f32,
 }
@@ -251,6 +254,7 @@ impl KvHeadAttention<'_> {
                 // in `run`; `q` holds whole heads and `probs` `len` values for each.
                 unsafe { (kernels.scores)(self, q, probs) };
             }
+            self.mask(probs);
             // Probabilities rounded to f16, as the reference multiplies them by V in f16.
             ops::attention_softmax_rows(backend, probs, len);
             let passes = probs
@@ -274,6 +278,7 @@ impl KvHeadAttention<'_> {
             queries.len().is_multiple_of(self.head_dim) && out.len() == queries.len(),
             "whole query heads and an output for each"
         );
+        assert!(self.masked < self.len, "a position the window keeps");
         let pages = self.len.div_ceil(self.page_size);
         assert!(
             self.keys.len() >= pages && self.values.len() >= pages,
@@ -305,6 +310,17 @@ impl KvHeadAttention<'_> {
         })
     }
 
+    /// Gives the positions below `masked` no weight: a score of −∞ in each `len`-long row of
+    /// `scores`, which softmax turns into a probability of exactly 0 (their values, this
+    /// sequence's own, are then multiplied by 0).
+    fn mask(&self, scores: &mut [f32]) {
+        if self.masked > 0 {
+            for row in scores.chunks_exact_mut(self.len) {
+                row[..self.masked].fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+
     /// Whether every slot of page `page` holds a position below `len`: only such a page's
     /// keys are prefetched (a dimension-major page interleaves written and unwritten slots).
     pub(crate) fn page_is_full(&self, page: usize) -> bool {
@@ -325,6 +341,7 @@ impl KvHeadAttention<'_> {
                 let keys = self.keys[page];
                 ops::attention_scores_f16(&q, keys, self.page_size, self.scale, scores);
             }
+            self.mask(&mut scores);
             ops::attention_softmax_rows(backend, &mut scores, self.len);
             out.fill(0.0);
             for (page, weights) in scores.chunks(self.page_size).enumerate() {

@@ -217,13 +217,10 @@ pub fn rope(table: &crate::RopeTable, x: &mut [f32], pos: usize) {
     with_fma!(table.apply_with(x, pos, rotate_pair))
 }
 
-/// One adjacent pair: the first product of each expression fused into the subtraction or
-/// addition.
+/// One pair: the first product of each expression fused into the subtraction or addition.
 #[inline(always)]
-fn rotate_pair(pair: &mut [f32], cos: f32, sin: f32) {
-    let (x0, x1) = (pair[0], pair[1]);
-    pair[0] = x0.mul_add(cos, -(x1 * sin));
-    pair[1] = x0.mul_add(sin, x1 * cos);
+fn rotate_pair(x0: f32, x1: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (x0.mul_add(cos, -(x1 * sin)), x0.mul_add(sin, x1 * cos))
 }
 
 /// The 4-product integer sums of one block, in the eight lanes `mul_sum_*_pairs_float` gives.

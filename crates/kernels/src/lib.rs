@@ -36,8 +36,8 @@ pub use formats::{Fidelity, TensorFormat};
 pub use layout::WeightFormat;
 pub use matrix::QuantMatrix;
 pub use ops::{
-    add_in_place, attention_mix_f16, attention_scores_f16, rms_norm, rms_norm_rows, rope_in_place,
-    silu_mul, softmax_in_place, RopeTable,
+    add_in_place, attention_mix_f16, attention_scores_f16, gelu, gelu_mul, rms_norm, rms_norm_rows,
+    rope_in_place, silu_mul, softmax_in_place, RopeStyle, RopeTable,
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::Workers;

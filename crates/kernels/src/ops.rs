@@ -110,6 +110,43 @@ pub fn silu_mul(backend: Backend, gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate = gelu(gate) * up`, the GeGLU activation (Gemma's FFN), with GELU's tanh form read
+/// from a table of every f16 input, as llama.cpp reads it (`ggml_vec_gelu_f32` with
+/// `GGML_GELU_FP16`): the input rounded to f16, the table's f16 value, identity past 10 and
+/// 0 below −10. The same bits on every backend.
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gate and up have equal length");
+    let table = gelu_table();
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        let gelu = if x <= -10.0 {
+            0.0
+        } else if x >= 10.0 {
+            x
+        } else {
+            table[usize::from(f16::from_f32(x).to_bits())].to_f32()
+        };
+        *g = gelu * u;
+    }
+}
+
+/// GELU (tanh form) of every f16 value, rounded to f16, indexed by the input's bits.
+fn gelu_table() -> &'static [f16] {
+    static TABLE: std::sync::OnceLock<Vec<f16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|bits| f16::from_f32(gelu(f16::from_bits(bits).to_f32())))
+            .collect()
+    })
+}
+
+/// GELU's tanh form, as ggml writes it: `½x(1 + tanh(√(2/π)·x·(1 + 0.044715x²)))`.
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044_715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
 /// Softmax in place; returns nothing, the row sums to 1 afterwards. Every backend gets the
 /// same bits.
 pub fn softmax_in_place(backend: Backend, x: &mut [f32]) {
@@ -246,16 +283,28 @@ pub fn attention_mix_f16(backend: Backend, weights: &[f32], values: &[f16], out:
     }
 }
 
-/// Precomputed rotary-embedding angles for positions `0..positions` ("normal" llama rotation of
-/// adjacent pairs).
+/// Which of a head's values RoPE rotates together. llama.cpp calls these "normal" and "neox";
+/// the model's architecture decides (GGUF files of llama have their Q/K rows permuted for
+/// adjacent pairs, qwen2, qwen3 and gemma3 keep the halves).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Pair i is values (2i, 2i + 1).
+    Adjacent,
+    /// Pair i is values (i, i + head_dim / 2).
+    Halves,
+}
+
+/// Precomputed rotary-embedding angles for positions `0..positions`.
 pub struct RopeTable {
     head_dim: usize,
     positions: usize,
+    style: RopeStyle,
     /// `[pos][pair] -> (cos, sin)`.
     cos_sin: Vec<(f32, f32)>,
 }
 
 impl RopeTable {
+    /// Adjacent pairs, no frequency factors (llama's).
     pub fn new(head_dim: usize, freq_base: f32, positions: usize) -> RopeTable {
         RopeTable::with_freq_factors(head_dim, freq_base, positions, &[])
     }
@@ -287,12 +336,22 @@ impl RopeTable {
         RopeTable {
             head_dim,
             positions,
+            style: RopeStyle::Adjacent,
             cos_sin,
         }
     }
 
+    /// The same angles, rotating pairs of `style`.
+    pub fn with_style(self, style: RopeStyle) -> RopeTable {
+        RopeTable { style, ..self }
+    }
+
     pub fn positions(&self) -> usize {
         self.positions
+    }
+
+    pub fn style(&self) -> RopeStyle {
+        self.style
     }
 
     /// Rotates every head in `x` (a whole number of heads) for position `pos`.
@@ -300,16 +359,32 @@ impl RopeTable {
         rope_in_place(self, x, pos)
     }
 
-    /// `apply` with another rotation of one `(x0, x1)` pair by `(cos, sin)`.
+    /// `apply` with another rotation of one pair `(x0, x1)` by `(cos, sin)`, which returns
+    /// the rotated pair.
     #[inline]
-    pub fn apply_with(&self, x: &mut [f32], pos: usize, rotate: impl Fn(&mut [f32], f32, f32)) {
+    pub fn apply_with(
+        &self,
+        x: &mut [f32],
+        pos: usize,
+        rotate: impl Fn(f32, f32, f32, f32) -> (f32, f32),
+    ) {
         assert!(pos < self.positions, "position within the rope table");
         assert_eq!(x.len() % self.head_dim, 0, "a whole number of heads");
         let pairs = self.head_dim / 2;
         let angles = &self.cos_sin[pos * pairs..(pos + 1) * pairs];
         for head in x.chunks_exact_mut(self.head_dim) {
-            for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(angles) {
-                rotate(pair, cos, sin);
+            match self.style {
+                RopeStyle::Adjacent => {
+                    for (pair, &(cos, sin)) in head.chunks_exact_mut(2).zip(angles) {
+                        (pair[0], pair[1]) = rotate(pair[0], pair[1], cos, sin);
+                    }
+                }
+                RopeStyle::Halves => {
+                    let (firsts, seconds) = head.split_at_mut(pairs);
+                    for ((x0, x1), &(cos, sin)) in firsts.iter_mut().zip(seconds).zip(angles) {
+                        (*x0, *x1) = rotate(*x0, *x1, cos, sin);
+                    }
+                }
             }
         }
     }
@@ -317,9 +392,7 @@ impl RopeTable {
 
 /// Rotates every `head_dim`-wide head of `x` by the angles of position `pos`.
 pub fn rope_in_place(table: &RopeTable, x: &mut [f32], pos: usize) {
-    table.apply_with(x, pos, |pair, cos, sin| {
-        let (x0, x1) = (pair[0], pair[1]);
-        pair[0] = x0 * cos - x1 * sin;
-        pair[1] = x0 * sin + x1 * cos;
+    table.apply_with(x, pos, |x0, x1, cos, sin| {
+        (x0 * cos - x1 * sin, x0 * sin + x1 * cos)
     })
 }

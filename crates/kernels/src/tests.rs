@@ -787,6 +787,7 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
             page_size,
             head_dim,
             len,
+            masked: 0,
             scale: 0.125,
         };
         let queries: Vec<f32> = (0..heads * head_dim)
@@ -853,6 +854,7 @@ fn only_whole_pages_count_as_full() {
             page_size,
             head_dim,
             len,
+            masked: 0,
             scale: 1.0,
         };
         for page in 0..6 {
@@ -887,4 +889,151 @@ fn rope_frequency_factors_divide_each_pairs_angle() {
             assert!((angle - plain_angle / 8.0).abs() < 1e-5, "position {pos}");
         }
     }
+}
+
+/// The halves style (llama.cpp's "neox", qwen's and gemma's) rotates value i with value
+/// i + head_dim/2 by pair i's angle: the adjacent style's bits on the values reordered so
+/// those two sit side by side.
+#[test]
+fn rope_halves_style_rotates_value_i_with_value_i_plus_half() {
+    let (head_dim, heads, positions) = (8, 2, 12);
+    let adjacent = RopeTable::new(head_dim, 10_000.0, positions);
+    let halves = RopeTable::new(head_dim, 10_000.0, positions).with_style(RopeStyle::Halves);
+    assert_eq!(halves.style(), RopeStyle::Halves);
+    let x: Vec<f32> = (0..head_dim * heads)
+        .map(|i| (i as f32 * 0.7).sin())
+        .collect();
+    // Within each head, halves order (i, i + half) → adjacent order (2i, 2i + 1).
+    let half = head_dim / 2;
+    let interleaved = |v: &[f32]| -> Vec<f32> {
+        v.chunks_exact(head_dim)
+            .flat_map(|h| (0..half).flat_map(move |i| [h[i], h[i + half]]))
+            .collect()
+    };
+    for pos in 0..positions {
+        let mut by_halves = x.clone();
+        halves.apply(&mut by_halves, pos);
+        let mut by_adjacent = interleaved(&x);
+        adjacent.apply(&mut by_adjacent, pos);
+        assert_eq!(interleaved(&by_halves), by_adjacent, "position {pos}");
+        if pos > 0 {
+            let mut plain = x.clone();
+            adjacent.apply(&mut plain, pos);
+            assert_ne!(plain, by_halves, "the styles differ at position {pos}");
+        }
+    }
+}
+
+/// A sliding window's start (`masked`): on every backend, what the keys and values before it
+/// hold does not move a bit of the output, and the output is softmax over the kept positions
+/// alone (within float tolerance of an f64 computation over them).
+#[test]
+fn masked_positions_get_no_weight_on_every_backend() {
+    let mut rng = SplitMix64::new(71);
+    for (head_dim, heads, page_size, len, masked) in [
+        (64, 3, 16, 37, 5),
+        (32, 1, 16, 16, 15),
+        (256, 4, 16, 40, 9),
+        (24, 3, 4, 11, 3),
+    ] {
+        let keys = random_pages(&mut rng, Kind::Keys, len, page_size, head_dim);
+        let values = random_pages(&mut rng, Kind::Values, len, page_size, head_dim);
+        let queries: Vec<f32> = (0..heads * head_dim)
+            .map(|_| rng.signed_f32() * 2.0)
+            .collect();
+        let run = |keys: &[Vec<f16>], values: &[Vec<f16>], masked, backend| {
+            let key_pages: Vec<&[f16]> = keys.iter().map(Vec::as_slice).collect();
+            let value_pages: Vec<&[f16]> = values.iter().map(Vec::as_slice).collect();
+            let attention = KvHeadAttention {
+                keys: &key_pages,
+                values: &value_pages,
+                page_size,
+                head_dim,
+                len,
+                masked,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
+            let mut out = vec![0f32; queries.len()];
+            attention.run(backend, &queries, &mut out);
+            out
+        };
+        // Other (finite) keys and values before the window.
+        let (mut other_keys, mut other_values) = (keys.clone(), values.clone());
+        for slot in 0..masked {
+            for d in 0..head_dim {
+                let k = Kind::Keys.index(page_size, head_dim, slot, d);
+                other_keys[0][k] = f16::from_f32(rng.signed_f32() * 8.0);
+                let v = Kind::Values.index(page_size, head_dim, slot, d);
+                other_values[0][v] = f16::from_f32(rng.signed_f32() * 8.0);
+            }
+        }
+        let key_at = |slot: usize, d| {
+            let page = &keys[slot / page_size];
+            page[Kind::Keys.index(page_size, head_dim, slot % page_size, d)].to_f32() as f64
+        };
+        let value_at = |slot: usize, d| {
+            let page = &values[slot / page_size];
+            page[Kind::Values.index(page_size, head_dim, slot % page_size, d)].to_f32() as f64
+        };
+        for backend in Backend::available() {
+            let case = format!("{backend:?} head_dim {head_dim} len {len} masked {masked}");
+            let out = run(&keys, &values, masked, backend);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&out),
+                bits(&run(&other_keys, &other_values, masked, backend)),
+                "{case}"
+            );
+            assert_ne!(bits(&out), bits(&run(&keys, &values, 0, backend)), "{case}");
+            for (h, q) in queries.chunks_exact(head_dim).enumerate() {
+                let scores: Vec<f64> = (masked..len)
+                    .map(|p| {
+                        let dot: f64 = (0..head_dim).map(|d| q[d] as f64 * key_at(p, d)).sum();
+                        dot / (head_dim as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..head_dim {
+                    let want: f64 = (masked..len)
+                        .zip(&weights)
+                        .map(|(p, w)| w / total * value_at(p, d))
+                        .sum();
+                    let got = out[h * head_dim + d] as f64;
+                    assert!(
+                        (got - want).abs() < 2e-2,
+                        "{case}: head {h} dim {d}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// GeGLU reads GELU from a table of f16 inputs, as llama.cpp does: within f16 rounding of
+/// the formula, exact at 0, identity past 10 and 0 below −10.
+#[test]
+fn gelu_mul_follows_the_tanh_formula_through_f16() {
+    let xs = [
+        -12.0f32, -10.0, -3.0, -0.5, 0.0, 0.1, 0.7, 2.5, 9.99, 10.0, 30.0,
+    ];
+    let mut gate = xs.to_vec();
+    gelu_mul(&mut gate, &[2.0; 11]);
+    for (&x, &g) in xs.iter().zip(&gate) {
+        let want = 2.0
+            * if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x
+            } else {
+                gelu(x)
+            };
+        assert!(
+            (g - want).abs() <= want.abs() * 2e-3 + 1e-6,
+            "gelu({x}): {g} vs {want}"
+        );
+    }
+    assert_eq!(gate[4], 0.0);
+    assert!((gelu(1.0) - 0.841_192).abs() < 1e-5, "the tanh form at 1");
 }

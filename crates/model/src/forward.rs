@@ -4,7 +4,7 @@ use crate::{Error, Logits, Model, Result};
 use half::{f16, slice::HalfFloatSliceExt};
 use kernels::ggml_exact::{self, Build, DotKind, HeadAttention};
 use kernels::{
-    add_in_place, quantize_acts, quantize_blocks, rms_norm, rms_norm_rows, silu_mul,
+    add_in_place, gelu_mul, quantize_acts, quantize_blocks, rms_norm, rms_norm_rows, silu_mul,
     KvHeadAttention, QuantActs,
 };
 use kv::{KvKind, PagePool, PageTable, PageView};
@@ -205,6 +205,11 @@ impl Model {
         for (row, &token) in buffers.x.chunks_exact_mut(dim).zip(tokens) {
             self.embedding.dequantize_row(token as usize, row);
         }
+        if self.config.architecture.is_gemma() {
+            // Gemma scales its embeddings by √width (in f32, as llama.cpp).
+            let scale = (dim as f32).sqrt();
+            buffers.x.iter_mut().for_each(|v| *v *= scale);
+        }
         for layer in 0..self.layers.len() {
             self.attention_block(layer, &rows, views, &mut buffers);
             self.ffn_block(layer, &mut buffers);
@@ -230,8 +235,8 @@ impl Model {
         Buffers {
             x: vec![0.0; rows * c.dim],
             normed: vec![0.0; rows * c.dim],
-            qkv: vec![0.0; rows * (c.dim + 2 * c.kv_dim())],
-            attn: vec![0.0; rows * c.dim],
+            qkv: vec![0.0; rows * (c.q_dim() + 2 * c.kv_dim())],
+            attn: vec![0.0; rows * c.q_dim()],
             proj: vec![0.0; rows * c.dim],
             gate_up: vec![0.0; rows * 2 * c.ffn_dim],
             hidden: vec![0.0; rows * c.ffn_dim],
@@ -313,7 +318,7 @@ impl Model {
         views: &mut [PageView],
     ) {
         let c = &self.config;
-        let qkv_width = c.dim + 2 * c.kv_dim();
+        let qkv_width = c.q_dim() + 2 * c.kv_dim();
         let mut rest = qkv;
         let mut first_row = 0;
         let mut tasks = Vec::with_capacity(views.len());
@@ -334,16 +339,26 @@ impl Model {
             });
     }
 
-    /// RoPE on one row's Q and K at `pos`, then its K and V into their slot of `view`.
+    /// One row's Q, K and V biases and Q/K norms where the model has them, RoPE on its Q and
+    /// K at `pos`, then its K and V into their slot of `view`.
     fn rotate_and_store_row(&self, layer: usize, pos: usize, qkv: &mut [f32], view: &mut PageView) {
         let c = &self.config;
-        let (q, kv) = qkv.split_at_mut(c.dim);
+        let weights = &self.layers[layer];
+        if let Some(bias) = &weights.qkv_bias {
+            add_in_place(qkv, bias);
+        }
+        let (q, kv) = qkv.split_at_mut(c.q_dim());
+        if let Some(norm) = &weights.qk_norm {
+            self.norm_heads(q, &norm.q);
+            self.norm_heads(&mut kv[..c.kv_dim()], &norm.k);
+        }
+        let rope = self.rope_of(layer);
         if self.exact().is_some() {
-            ggml_exact::rope(&self.rope, q, pos);
-            ggml_exact::rope(&self.rope, &mut kv[..c.kv_dim()], pos);
+            ggml_exact::rope(rope, q, pos);
+            ggml_exact::rope(rope, &mut kv[..c.kv_dim()], pos);
         } else {
-            self.rope.apply(q, pos);
-            self.rope.apply(&mut kv[..c.kv_dim()], pos);
+            rope.apply(q, pos);
+            rope.apply(&mut kv[..c.kv_dim()], pos);
         }
         store_kv(view, layer, pos, kv, c.head_dim);
     }
@@ -371,20 +386,20 @@ impl Model {
         acts: &mut QuantActs,
     ) {
         let c = &self.config;
-        let qkv_width = c.dim + 2 * c.kv_dim();
+        let (q_dim, qkv_width) = (c.q_dim(), c.q_dim() + 2 * c.kv_dim());
         let group_width = c.group_size() * c.head_dim;
-        let blocks = acts.reshape(rows.len(), c.dim);
+        let blocks = acts.reshape(rows.len(), q_dim);
         let mut tasks: Vec<_> = qkv
             .chunks_exact_mut(qkv_width)
             .zip(views.iter_mut())
-            .zip(out.chunks_exact_mut(c.dim))
-            .zip(blocks.chunks_exact_mut(c.dim / kernels::BLOCK))
+            .zip(out.chunks_exact_mut(q_dim))
+            .zip(blocks.chunks_exact_mut(q_dim / kernels::BLOCK))
             .zip(rows)
             .collect();
         self.workers
             .for_each_item_mut(&mut tasks, |_, ((((qkv, view), out), blocks), source)| {
                 self.rotate_and_store_row(layer, source.pos, qkv, view);
-                let q = &qkv[..c.dim];
+                let q = &qkv[..q_dim];
                 for (kv_head, out) in out.chunks_exact_mut(group_width).enumerate() {
                     let task = HeadTask {
                         source: **source,
@@ -401,6 +416,47 @@ impl Model {
     /// The llama.cpp build whose arithmetic this model reproduces (`ggml-exact` kernels).
     fn exact(&self) -> Option<Build> {
         self.backend.ggml_build()
+    }
+
+    /// The RoPE of `layer`: a sliding-window layer's has its own base.
+    fn rope_of(&self, layer: usize) -> &kernels::RopeTable {
+        match (&self.rope_sliding, self.config.sliding_window) {
+            (Some(rope), Some(sw)) if sw.applies_to(layer) => rope,
+            _ => &self.rope,
+        }
+    }
+
+    /// The first position a row at `pos` attends to in `layer`: 0, or the start of its
+    /// sliding window.
+    fn first_attended(&self, layer: usize, pos: usize) -> usize {
+        match self.config.sliding_window {
+            Some(sw) if sw.applies_to(layer) => (pos + 1).saturating_sub(sw.window),
+            _ => 0,
+        }
+    }
+
+    /// RMSNorm in place of each `dim`-wide row of `x` (Gemma's post-norms), a few rows per
+    /// task.
+    fn norm_rows_in_place(&self, x: &mut [f32], weight: &[f32]) {
+        let dim = self.config.dim;
+        let rows_per_task = (x.len() / dim).div_ceil(4 * self.workers.threads()).max(1);
+        let mut tasks: Vec<&mut [f32]> = x.chunks_mut(rows_per_task * dim).collect();
+        self.workers.for_each_item_mut(&mut tasks, |_, rows| {
+            let mut row = vec![0f32; dim];
+            for normed in rows.chunks_exact_mut(dim) {
+                row.copy_from_slice(normed);
+                self.rms_norm(&row, weight, normed);
+            }
+        });
+    }
+
+    /// RMSNorm of each `head_dim`-wide head of `x` in place, with `weight` (qwen3's Q/K norm).
+    fn norm_heads(&self, x: &mut [f32], weight: &[f32]) {
+        let mut head = vec![0f32; self.config.head_dim];
+        for normed in x.chunks_exact_mut(self.config.head_dim) {
+            head.copy_from_slice(normed);
+            self.rms_norm(&head, weight, normed);
+        }
     }
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], out: &mut [f32]) {
@@ -437,11 +493,14 @@ impl Model {
         } else {
             self.rotate_and_store_kv(layer, rows, &mut b.qkv, views);
             self.attend(layer, rows, &b.qkv, views, &mut b.attn);
-            self.fill_and_quantize(&mut b.attn, c.dim, &mut b.acts, &|_, _| {});
+            self.fill_and_quantize(&mut b.attn, c.q_dim(), &mut b.acts, &|_, _| {});
         }
         weights
             .attn_output
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
+        if let Some(post) = &weights.post_norms {
+            self.norm_rows_in_place(&mut b.proj, &post.attention);
+        }
     }
 
     /// The FFN of `layer`, which first adds the attention block's output into `x`; its own
@@ -465,7 +524,9 @@ impl Model {
                 let gate_up = &gate_up[(first_row + i) * 2 * c.ffn_dim..][..2 * c.ffn_dim];
                 let (gate, up) = gate_up.split_at(c.ffn_dim);
                 hidden.copy_from_slice(gate);
-                if let Some(build) = self.exact() {
+                if c.architecture.is_gemma() {
+                    gelu_mul(hidden, up);
+                } else if let Some(build) = self.exact() {
                     ggml_exact::silu_mul(build, hidden, up);
                 } else {
                     silu_mul(self.backend, hidden, up);
@@ -475,6 +536,9 @@ impl Model {
         weights
             .down
             .matmul(self.backend, &self.workers, &b.acts, &mut b.proj);
+        if let Some(post) = &weights.post_norms {
+            self.norm_rows_in_place(&mut b.proj, &post.ffn);
+        }
     }
 
     /// Causal grouped-query attention for every row, reading K/V from the verified pages.
@@ -510,13 +574,19 @@ impl Model {
     fn attend_heads(&self, layer: usize, task: &HeadTask, out: &mut [f32]) {
         let head_dim = self.config.head_dim;
         let (keys, values) = task.pages(layer);
+        // A sliding window skips the pages before it and masks the positions before it on
+        // its first page.
+        let page_size = task.view.layout().page_size_tokens;
+        let first = self.first_attended(layer, task.source.pos);
+        let first_page = first / page_size;
         let attention = KvHeadAttention {
-            keys: &keys,
-            values: &values,
-            page_size: task.view.layout().page_size_tokens,
+            keys: &keys[first_page..],
+            values: &values[first_page..],
+            page_size,
             head_dim,
-            len: task.source.pos + 1,
-            scale: 1.0 / (head_dim as f32).sqrt(),
+            len: task.source.pos + 1 - first_page * page_size,
+            masked: first - first_page * page_size,
+            scale: self.config.attention_scale,
         };
         attention.run(self.backend, task.q, out);
     }
@@ -578,7 +648,7 @@ impl Model {
             c.group_size().is_multiple_of(heads_per_task),
             "a task's heads share one K/V head"
         );
-        let qkv_width = c.dim + 2 * c.kv_dim();
+        let qkv_width = c.q_dim() + 2 * c.kv_dim();
         let tasks_per_row = c.head_count / heads_per_task;
         let task_width = heads_per_task * c.head_dim;
         // K/V-head-major: the threads take the tasks in order, so at any moment they read one

@@ -18,7 +18,7 @@ mod oracle;
 mod sampling;
 mod stop;
 
-pub use config::LlamaConfig;
+pub use config::{Architecture, ModelConfig, SlidingWindow};
 pub use error::{Error, Result};
 pub use forward::{Forward, LogitRows, SeqStep};
 pub use generate::{

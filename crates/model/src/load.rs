@@ -1,4 +1,4 @@
-use crate::{Error, LlamaConfig, Result};
+use crate::{Error, ModelConfig, Result};
 use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
 use kernels::formats::Transcoded;
 use kernels::{Backend, Fidelity, QuantMatrix, RopeTable, TensorFormat, WeightFormat, Workers};
@@ -24,7 +24,8 @@ pub struct LoadProgress {
 pub struct Loaded {
     pub model: Model,
     pub tokenizer: Tokenizer,
-    /// `None` when the file carries no chat template.
+    /// The file's chat template, or its family's turn format where it has none
+    /// (`ChatTemplate::from_gguf_or_family`).
     pub chat_template: Option<ChatTemplate>,
     /// Bytes of the model file, for memory accounting.
     pub file_bytes: usize,
@@ -34,22 +35,42 @@ pub(crate) struct Layer {
     pub attn_norm: Vec<f32>,
     /// Q, K and V stacked: one pass over the normed input serves all three.
     pub qkv: QuantMatrix,
+    /// Q, K and V's biases stacked as `qkv` is (qwen2).
+    pub qkv_bias: Option<Vec<f32>>,
+    /// The RMSNorm weights each head of Q, and of K, is normed with before RoPE (qwen3).
+    pub qk_norm: Option<QkNorm>,
     pub attn_output: QuantMatrix,
     pub ffn_norm: Vec<f32>,
     /// Gate and up stacked, for the same reason.
     pub gate_up: QuantMatrix,
     pub down: QuantMatrix,
+    /// Gemma's RMSNorms of attention's output and of the FFN's, before each residual add.
+    pub post_norms: Option<PostNorms>,
 }
 
-/// A loaded llama-family model, ready to run forward steps.
+/// RMSNorm weights of attention's output and of the FFN's output (gemma3), `dim` each.
+pub(crate) struct PostNorms {
+    pub attention: Vec<f32>,
+    pub ffn: Vec<f32>,
+}
+
+/// Per-head RMSNorm weights of Q and K, `head_dim` each.
+pub(crate) struct QkNorm {
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+}
+
+/// A loaded model (llama, qwen2 or qwen3), ready to run forward steps.
 pub struct Model {
-    pub(crate) config: LlamaConfig,
+    pub(crate) config: ModelConfig,
     pub(crate) embedding: QuantMatrix,
     pub(crate) layers: Vec<Layer>,
     pub(crate) output_norm: Vec<f32>,
     /// `None` when the output projection is tied to the embedding.
     pub(crate) output: Option<QuantMatrix>,
     pub(crate) rope: RopeTable,
+    /// The sliding-window layers' RoPE, where the model has them (its own base).
+    pub(crate) rope_sliding: Option<RopeTable>,
     pub(crate) backend: Backend,
     pub(crate) workers: Workers,
     pub(crate) weight_report: WeightReport,
@@ -68,15 +89,12 @@ impl Model {
         })?;
         let file = GgufFile::parse(&bytes)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let chat_template = match file.get_str("tokenizer.chat_template") {
-            Ok(_) => Some(ChatTemplate::from_gguf(&file)?),
-            Err(_) => None,
-        };
+        let (chat_template, _) = ChatTemplate::from_gguf_or_family(&file)?;
         let model = Model::from_gguf(&file, &bytes, options, progress)?;
         Ok(Loaded {
             model,
             tokenizer,
-            chat_template,
+            chat_template: Some(chat_template),
             file_bytes: bytes.len(),
         })
     }
@@ -88,7 +106,7 @@ impl Model {
         options: &LoadOptions,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Model> {
-        let config = LlamaConfig::from_gguf(file)?;
+        let config = ModelConfig::from_gguf(file)?;
         let tensors_total = file.tensors.len();
         let mut tensors_done = 0;
         let mut tick = |count: usize| {
@@ -103,7 +121,8 @@ impl Model {
             bytes,
             report: Default::default(),
         };
-        let (dim, kv_dim) = (config.dim, config.kv_dim());
+        let (dim, q_dim, kv_dim) = (config.dim, config.q_dim(), config.kv_dim());
+        let arch = config.architecture;
         let mut embedding = loader.matrix("token_embd.weight", config.vocab_size, dim)?;
         tick(1);
         let mut layers: Vec<Layer> = Vec::with_capacity(config.layer_count);
@@ -111,15 +130,50 @@ impl Model {
             let name = |t: &str| format!("blk.{i}.{t}.weight");
             let (q, k, v) = (name("attn_q"), name("attn_k"), name("attn_v"));
             let (gate, up) = (name("ffn_gate"), name("ffn_up"));
+            let qkv_bias = if arch.has_qkv_bias() {
+                let bias = |t: &str, len| loader.vector(&format!("blk.{i}.{t}.bias"), len);
+                Some(
+                    [
+                        bias("attn_q", q_dim)?,
+                        bias("attn_k", kv_dim)?,
+                        bias("attn_v", kv_dim)?,
+                    ]
+                    .concat(),
+                )
+            } else {
+                None
+            };
+            let qk_norm = if arch.has_qk_norm() {
+                Some(QkNorm {
+                    q: loader.vector(&name("attn_q_norm"), config.head_dim)?,
+                    k: loader.vector(&name("attn_k_norm"), config.head_dim)?,
+                })
+            } else {
+                None
+            };
             layers.push(Layer {
                 attn_norm: loader.vector(&name("attn_norm"), dim)?,
-                qkv: loader.stacked(&[(&q, dim), (&k, kv_dim), (&v, kv_dim)], dim)?,
-                attn_output: loader.matrix(&name("attn_output"), dim, dim)?,
+                qkv: loader.stacked(&[(&q, q_dim), (&k, kv_dim), (&v, kv_dim)], dim)?,
+                qkv_bias,
+                qk_norm,
+                attn_output: loader.matrix(&name("attn_output"), dim, q_dim)?,
                 ffn_norm: loader.vector(&name("ffn_norm"), dim)?,
                 gate_up: loader.stacked(&[(&gate, config.ffn_dim), (&up, config.ffn_dim)], dim)?,
                 down: loader.matrix(&name("ffn_down"), dim, config.ffn_dim)?,
+                post_norms: if arch.is_gemma() {
+                    Some(PostNorms {
+                        attention: loader.vector(&name("post_attention_norm"), dim)?,
+                        ffn: loader.vector(&name("post_ffw_norm"), dim)?,
+                    })
+                } else {
+                    None
+                },
             });
-            tick(9);
+            tick(
+                9 + 3 * usize::from(arch.has_qkv_bias())
+                    + 2 * usize::from(arch.has_qk_norm())
+                    + 2 * usize::from(arch.is_gemma()),
+            );
         }
         let output_norm = loader.vector("output_norm.weight", dim)?;
         let mut output = match file.tensor("output.weight") {
@@ -143,6 +197,13 @@ impl Model {
         // One buffer per format, so the weights lie on huge pages (`share_buffers` says why).
         QuantMatrix::share_buffers(&mut matrices);
         let backend = options.backend.unwrap_or_else(Backend::detect);
+        if backend.ggml_build().is_some() && config.sliding_window.is_some() {
+            return Err(Error::Unsupported(
+                "the ggml-exact kernels on a model with sliding-window attention (gemma3); \
+                 use --kernels auto"
+                    .to_string(),
+            ));
+        }
         if backend == Backend::Avx512Vnni {
             // The output projection only: the shipped model's one Q8_0 matrix, and its largest
             // (`add_vnni_layout` says why). Copies of a Q8_0 model's every layer would double
@@ -161,7 +222,12 @@ impl Model {
                 config.rope_freq_base,
                 config.context_length,
                 &rope_factors,
-            ),
+            )
+            .with_style(arch.rope_style()),
+            rope_sliding: config.sliding_window.map(|sw| {
+                RopeTable::new(config.head_dim, sw.rope_freq_base, config.context_length)
+                    .with_style(arch.rope_style())
+            }),
             config,
             embedding,
             layers,
@@ -172,7 +238,7 @@ impl Model {
         })
     }
 
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 

@@ -521,7 +521,7 @@ pub(crate) fn chat_prompt(
                 "messages",
             )
         })?;
-    Ok(limits.tokenizer.encode(&text, true))
+    Ok(limits.tokenizer.encode_prompt(&text, true))
 }
 
 /// One message, checked, as the chat template gets it.
@@ -719,10 +719,10 @@ pub fn parse_completion(body: &[u8], limits: &Limits) -> Result<Vec<Job>, ApiErr
             .collect()
     };
     let prompts = match request.prompt {
-        Prompt::Text(text) => vec![limits.tokenizer.encode(&text, false)],
+        Prompt::Text(text) => vec![limits.tokenizer.encode_prompt(&text, false)],
         Prompt::Texts(texts) => texts
             .iter()
-            .map(|text| limits.tokenizer.encode(text, false))
+            .map(|text| limits.tokenizer.encode_prompt(text, false))
             .collect(),
         Prompt::Tokens(tokens) => vec![ids(tokens)?],
         Prompt::TokenLists(lists) => lists.into_iter().map(ids).collect::<Result<_, _>>()?,

@@ -105,13 +105,14 @@ fn spawned_serve(model: &str) -> Vec<&str> {
 #[test]
 fn canary_against_serve_is_clean_and_every_should_fail_request_gets_4xx() {
     for transport in ["shm", "tcp"] {
-        canary_against_serve_on(transport);
+        canary_against_serve_on(&model_path(), transport);
     }
 }
 
-fn canary_against_serve_on(transport: &str) {
-    let model = model_path();
-    let mut args = spawned_serve(&model);
+/// The canary against `serve` of the GGUF at `model` over `transport` (also run per
+/// architecture: `architectures.rs`).
+pub fn canary_against_serve_on(model: &str, transport: &str) {
+    let mut args = spawned_serve(model);
     args.extend_from_slice(MIX);
     // Half the good requests go twice: greedy twins must agree (no false alarm on a clean,
     // concurrently batched server).

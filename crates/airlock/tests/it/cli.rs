@@ -117,18 +117,18 @@ fn a_tensor_type_airlock_does_not_load_is_named_in_a_clear_error() {
 }
 
 /// A model of an architecture Airlock does not run is refused by name, with what it runs:
-/// `general.architecture` changed from `llama` to `qwen2` (same length, so the file parses).
+/// `general.architecture` changed from `llama` to `mamba` (same length, so the file parses).
 #[test]
 fn an_architecture_airlock_does_not_run_is_named_in_a_clear_error() {
-    let stderr = generate_on_damaged_model("qwen2", |bytes| {
+    let stderr = generate_on_damaged_model("mamba", |bytes| {
         // Key, u32 value type 8 (string), then the value as a GGUF string.
         let mut prefix = gguf_string(b"general.architecture");
         prefix.extend_from_slice(&8u32.to_le_bytes());
         prefix.extend_from_slice(&5u64.to_le_bytes());
         let at = header_value_at(bytes, &prefix, b"llama");
-        bytes[at..at + 5].copy_from_slice(b"qwen2");
+        bytes[at..at + 5].copy_from_slice(b"mamba");
     });
-    for needed in ["\"qwen2\"", "Airlock loads llama"] {
+    for needed in ["\"mamba\"", "Airlock loads llama, qwen2, qwen3"] {
         assert!(stderr.contains(needed), "stderr says {needed:?}: {stderr}");
     }
 }

@@ -7,6 +7,7 @@ use gguf::{ChatTemplate, GgufFile, Tokenizer};
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::{Forward, LoadOptions, Model, OracleModel};
 use router::{AppState, Cluster, Metrics, RouterConfig, Tenants};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 use tokio::runtime::Runtime;
@@ -75,6 +76,8 @@ pub struct Options {
     pub prefix_cache: bool,
     /// How pages get from prefill to decode (disaggregated only).
     pub kv_transport: KvTransport,
+    /// The GGUF the workers serve (`cli::model_path`'s unless a test picks another).
+    pub model: PathBuf,
 }
 
 /// `serve --kv-transport`: frames over TCP, or one-sided writes into decode's pool through
@@ -117,6 +120,7 @@ impl Options {
             prefix_cache: true,
             // What `serve` uses by default.
             kv_transport: KvTransport::Shm,
+            model: PathBuf::from(model_path()),
         }
     }
 }
@@ -198,16 +202,25 @@ pub struct ModelFile {
     pub chat_template: Option<ChatTemplate>,
     pub context_length: usize,
     pub weights_hash: u64,
-    pub config: model::LlamaConfig,
+    pub config: model::ModelConfig,
 }
 
 pub fn model_file() -> ModelFile {
-    let bytes = std::fs::read(model_path()).expect("model readable");
+    model_file_at(model_path().as_ref())
+}
+
+/// What the router needs of the GGUF at `path`.
+pub fn model_file_at(path: &Path) -> ModelFile {
+    let bytes = std::fs::read(path).expect("model readable");
     let file = GgufFile::parse(&bytes).expect("model parses");
-    let config = model::LlamaConfig::from_gguf(&file).expect("config");
+    let config = model::ModelConfig::from_gguf(&file).expect("config");
     ModelFile {
         tokenizer: Tokenizer::from_gguf(&file).expect("tokenizer"),
-        chat_template: Some(ChatTemplate::from_gguf(&file).expect("chat template")),
+        chat_template: Some(
+            ChatTemplate::from_gguf_or_family(&file)
+                .expect("chat template")
+                .0,
+        ),
         context_length: config.context_length,
         weights_hash: xxhash_rust::xxh3::xxh3_64(&bytes),
         config,
@@ -220,20 +233,17 @@ pub fn tokenizer() -> &'static Tokenizer {
     TOKENIZER.get_or_init(|| model_file().tokenizer)
 }
 
-pub fn load_model() -> model::Loaded {
-    load_model_with(None)
-}
-
-pub fn load_model_with(kernels: Option<kernels::Backend>) -> model::Loaded {
+/// The GGUF at `path`, loaded with one thread.
+pub fn load_model_from(path: &Path, kernels: Option<kernels::Backend>) -> model::Loaded {
     let options = LoadOptions {
         threads: 1,
         backend: kernels,
     };
-    Model::load(model_path().as_ref(), &options, &mut |_| {}).expect("model loads")
+    Model::load(path, &options, &mut |_| {}).expect("model loads")
 }
 
 pub fn start(options: Options) -> TestServer {
-    let file = model_file();
+    let file = model_file_at(&options.model);
     let context_length = options.context_length.unwrap_or(file.context_length);
     let roles: &[Role] = match options.mode {
         Mode::Disaggregated => &[Role::Prefill, Role::Decode],
@@ -313,7 +323,7 @@ pub fn start(options: Options) -> TestServer {
             };
             let worker = match options.backend {
                 Backend::Real => {
-                    let loaded = load_model_with(options.kernels);
+                    let loaded = load_model_from(&options.model, options.kernels);
                     let (model, tokenizer) = (loaded.model, loaded.tokenizer);
                     let net = Arc::new(Net);
                     start_worker(
@@ -361,7 +371,9 @@ pub fn start(options: Options) -> TestServer {
             default_max_tokens: 64,
             sampling_defaults: Default::default(),
             in_flight_max: 256,
-            start_timeout: Duration::from_secs(60),
+            // Generous: `ggml-exact` kernels take ~30 s on a 1,211-token prompt when alone,
+            // and tests share two cores (a 60 s bound once timed out under load).
+            start_timeout: Duration::from_secs(180),
             body_timeout: options.body_timeout,
             cors_allow_origins: options.cors_allow_origins.clone(),
             prefix_cache: options.prefix_cache,

@@ -2,6 +2,7 @@
 //! real TCP on loopback) on the real model.
 
 mod api;
+mod architectures;
 mod canary;
 mod cli;
 mod cluster;

@@ -1,15 +1,17 @@
 //! Serving on the real model: the same answers whichever way a request goes, admission,
 //! waiting for pages, tenants, and pools that always come back (I2, I3, I7, I9).
 
+use crate::cli::model_path;
 use crate::harness::{
-    client, completion, load_model, model_file, post, post_raw, runtime, start, wait_idle, Mode,
-    Options, MODEL,
+    client, completion, load_model_from, model_file_at, post, post_raw, runtime, start, wait_idle,
+    Mode, Options, MODEL,
 };
 use futures_util::StreamExt;
 use gguf::ChatMessage;
 use kv::{Owner, PagePool, PoolConfig, PoolSize, RequestId, TenantId};
 use model::{GenerateRequest, SamplingParams};
 use serde_json::json;
+use std::path::Path;
 use std::time::Duration;
 
 const PROMPTS: &[&str] = &[
@@ -80,24 +82,32 @@ async fn served_texts(url: &str) -> Vec<String> {
 
 #[test]
 fn greedy_output_is_the_same_through_serve_unified_and_generate() {
-    let loaded = load_model();
-    let file = model_file();
-    let template = file.chat_template.as_ref().expect("template");
+    greedy_output_is_the_same_through_serve_unified_and_generate_on(model_path().as_ref());
+}
+
+/// The test above, on the GGUF at `model` (also run per architecture: `architectures.rs`).
+pub fn greedy_output_is_the_same_through_serve_unified_and_generate_on(model: &Path) {
+    let loaded = load_model_from(model, None);
+    let file = model_file_at(model);
     let mut expected: Vec<String> = PROMPTS
         .iter()
-        .map(|p| generate_text(&loaded, &loaded.tokenizer.encode(p, false)))
+        .map(|p| generate_text(&loaded, &loaded.tokenizer.encode_prompt(p, false)))
         .collect();
+    // The file's template, or its family's where it has none (Gemma 3 270M's).
+    let template = file.chat_template.as_ref().expect("a template");
     let chat = template
         .render(&[ChatMessage::new("user", CHAT)], true)
         .expect("render");
     expected.push(generate_text(
         &loaded,
-        &loaded.tokenizer.encode(&chat, true),
+        &loaded.tokenizer.encode_prompt(&chat, true),
     ));
     assert!(expected.iter().all(|t| !t.is_empty()));
 
     for mode in [Mode::Disaggregated, Mode::Unified] {
-        let server = start(Options::new(mode));
+        let mut options = Options::new(mode);
+        options.model = model.to_path_buf();
+        let server = start(options);
         let served = runtime().block_on(served_texts(&server.url));
         assert_eq!(served, expected, "{mode:?} differs from generate");
     }
@@ -245,8 +255,17 @@ fn streams_end_with_done_and_the_same_text() {
 
 #[test]
 fn a_mixed_workload_with_cancellations_returns_every_pool_to_its_start() {
+    a_mixed_workload_with_cancellations_returns_every_pool_to_its_start_on(model_path().as_ref());
+}
+
+/// The test above, on the GGUF at `model` (also run per architecture: `architectures.rs`).
+pub fn a_mixed_workload_with_cancellations_returns_every_pool_to_its_start_on(model: &Path) {
     let mut options = Options::new(Mode::Disaggregated);
     options.kv_tokens = 4096;
+    options.model = model.to_path_buf();
+    // Below every test model's own (Gemma's is 32,768), so the 9,000-word prompts are too
+    // long for it whatever the model.
+    options.context_length = Some(2048);
     let server = start(options);
     runtime().block_on(async {
         let url = server.url.clone();

@@ -1,14 +1,16 @@
-//! The byte-level BPE tokenizer stored in a GGUF file (`tokenizer.ggml.model
-//! = "gpt2"`), matching llama.cpp's tokenization.
+//! The tokenizer stored in a GGUF file, matching llama.cpp's tokenization: byte-level BPE
+//! (`tokenizer.ggml.model = "gpt2"`) or SentencePiece-style (`"llama"`, as Gemma's files).
 //!
-//! Encoding: split the text on special-token strings (`special`), split
-//! each raw piece into words (`pretokenize`), then BPE-merge each word's
-//! bytes (`bpe`). Decoding maps each token back to the bytes it stands for.
+//! Encoding: split the text on special-token strings (`special`); then, for BPE, split each
+//! raw piece into words (`pretokenize`) and merge each word's bytes by rank (`bpe`); for
+//! SentencePiece, merge each raw piece's characters by score with byte fallback (`spm`).
+//! Decoding maps each token back to the bytes it stands for.
 
 mod bpe;
 mod byte_level;
 mod pretokenize;
 mod special;
+mod spm;
 mod unicode;
 
 use std::collections::HashMap;
@@ -58,7 +60,30 @@ impl TokenType {
     }
 }
 
-/// A byte-level BPE tokenizer built from a GGUF file's metadata.
+/// How the text between special tokens becomes ids.
+#[derive(Debug, Clone)]
+enum Encoding {
+    /// Byte-level BPE (`gpt2`).
+    Bpe {
+        merges: Merges,
+        pre: PreTokenizer,
+        /// Token for each single byte's byte-level character, or `NO_TOKEN`.
+        byte_tokens: Box<[u32; 256]>,
+        /// Each byte's byte-level character.
+        byte_chars: Box<[char; 256]>,
+    },
+    /// SentencePiece-style (`llama`).
+    Spm {
+        /// `tokenizer.ggml.scores`: which merge wins.
+        scores: Vec<f32>,
+        /// The `<0xXX>` token of each byte.
+        byte_tokens: Box<[u32; 256]>,
+        /// Whether text after a special token (or at the start) gets a leading space.
+        add_space_prefix: bool,
+    },
+}
+
+/// A tokenizer built from a GGUF file's metadata.
 #[derive(Debug, Clone)]
 pub struct Tokenizer {
     /// Vocabulary strings as stored in the file.
@@ -68,11 +93,8 @@ pub struct Tokenizer {
     bytes: Vec<u8>,
     offsets: Vec<usize>,
     token_to_id: HashMap<String, u32>,
-    /// Token for each single byte's byte-level character, or `NO_TOKEN`.
-    byte_tokens: [u32; 256],
-    merges: Merges,
+    encoding: Encoding,
     specials: Vec<SpecialToken>,
-    pre: PreTokenizer,
     bos: Option<u32>,
     eos: u32,
     add_bos: bool,
@@ -86,6 +108,8 @@ const KEY_MERGES: &str = "tokenizer.ggml.merges";
 const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
 const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
 const KEY_ADD_BOS: &str = "tokenizer.ggml.add_bos_token";
+const KEY_SCORES: &str = "tokenizer.ggml.scores";
+const KEY_ADD_SPACE_PREFIX: &str = "tokenizer.ggml.add_space_prefix";
 
 fn bad(reason: impl Into<String>) -> Error {
     Error::BadTokenizer {
@@ -96,26 +120,21 @@ fn bad(reason: impl Into<String>) -> Error {
 impl Tokenizer {
     /// Builds the tokenizer from `tokenizer.ggml.*` metadata.
     ///
-    /// Refuses tokenizer models other than `gpt2` and pre-tokenizers other
-    /// than `smollm` and `gpt-2`, whose splitting rules this crate does not
-    /// implement.
+    /// Refuses tokenizer models other than `gpt2` and `llama`, and BPE pre-tokenizers whose
+    /// splitting rules this crate does not implement.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer> {
         let model = file.get_str(KEY_MODEL)?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(Error::UnsupportedTokenizer {
                 model: model.to_string(),
             });
         }
-        let pre = match file.get_str(KEY_PRE)? {
-            "smollm" => PreTokenizer::SmolLm,
-            "gpt-2" => PreTokenizer::Gpt2,
-            other => {
-                return Err(bad(format!(
-                    "{KEY_PRE} is {other:?}; only \"smollm\" and \"gpt-2\" pre-tokenizers are supported"
-                )))
-            }
+        let spm = model == "llama";
+        let pre = if spm {
+            None
+        } else {
+            Some(bpe_pre_tokenizer(file)?)
         };
-
         let tokens = string_array(file, KEY_TOKENS)?;
         let n = tokens.len();
         if n == 0 || n >= NO_TOKEN as usize {
@@ -134,7 +153,6 @@ impl Tokenizer {
             Some(_) => Some(check_id(KEY_BOS, file.get_u32(KEY_BOS)?)?),
         };
         let eos = check_id(KEY_EOS, file.get_u32(KEY_EOS)?)?;
-        let add_bos = file.get_bool_or(KEY_ADD_BOS, false)?;
 
         // Later duplicates win, as in llama.cpp.
         let token_to_id: HashMap<String, u32> = tokens
@@ -143,15 +161,28 @@ impl Tokenizer {
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
 
-        let (bytes, offsets) = decoded_bytes(&tokens, &types);
-        let byte_chars = byte_level::byte_to_char_table();
-        let byte_tokens = byte_chars.map(|c| {
-            token_to_id
-                .get(c.encode_utf8(&mut [0u8; 4]) as &str)
-                .copied()
-                .unwrap_or(NO_TOKEN)
-        });
-        let merges = merges(file, &token_to_id)?;
+        let (encoding, add_bos_default) = if let Some(pre) = pre {
+            let byte_chars = Box::new(byte_level::byte_to_char_table());
+            let byte_tokens = Box::new(byte_chars.map(|c| {
+                token_to_id
+                    .get(c.encode_utf8(&mut [0u8; 4]) as &str)
+                    .copied()
+                    .unwrap_or(NO_TOKEN)
+            }));
+            let encoding = Encoding::Bpe {
+                merges: merges(file, &token_to_id)?,
+                pre,
+                byte_tokens,
+                byte_chars,
+            };
+            // llama.cpp's default where the file is silent: Llama 3 vocabularies start with
+            // BOS, other BPE ones do not.
+            (encoding, pre == PreTokenizer::Llama3)
+        } else {
+            (spm_encoding(file, &tokens, &token_to_id)?, true)
+        };
+        let add_bos = file.get_bool_or(KEY_ADD_BOS, add_bos_default)?;
+        let (bytes, offsets) = decoded_bytes(&tokens, &types, spm);
 
         let mut specials: Vec<SpecialToken> = types
             .iter()
@@ -171,10 +202,8 @@ impl Tokenizer {
             bytes,
             offsets,
             token_to_id,
-            byte_tokens,
-            merges,
+            encoding,
             specials,
-            pre,
             bos,
             eos,
             add_bos,
@@ -189,27 +218,86 @@ impl Tokenizer {
     pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut session = Session::default();
-        let mut words = Vec::new();
-        let mut symbols = Vec::new();
+        let (mut words, mut symbols, mut escaped) = (Vec::new(), Vec::new(), String::new());
+        // SentencePiece's space prefix goes before text at the start or after a special token.
+        let mut after_special = true;
         for fragment in special::partition(text, &self.specials, parse_special) {
-            match fragment {
-                Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => {
+            let t = match fragment {
+                Fragment::Token(id) => {
+                    out.push(id);
+                    after_special = true;
+                    continue;
+                }
+                Fragment::Text(t) => t,
+            };
+            match &self.encoding {
+                Encoding::Bpe {
+                    merges,
+                    pre,
+                    byte_tokens,
+                    ..
+                } => {
                     words.clear();
-                    pretokenize::split(t, self.pre, &mut words);
+                    pretokenize::split(t, *pre, &mut words);
                     for word in &words {
+                        let word = &t.as_bytes()[word.clone()];
+                        // Llama 3's vocabularies take a word that is a token whole, as
+                        // llama.cpp does (`ignore_merges`), even where merges would not
+                        // reach it.
+                        if *pre == PreTokenizer::Llama3 {
+                            if let Some(id) = self.whole_word(word) {
+                                out.push(id);
+                                continue;
+                            }
+                        }
                         symbols.clear();
-                        symbols.extend(
-                            t.as_bytes()[word.clone()]
-                                .iter()
-                                .map(|&b| self.byte_tokens[usize::from(b)]),
-                        );
-                        session.merge(&symbols, &self.merges, &mut out);
+                        symbols.extend(word.iter().map(|&b| byte_tokens[usize::from(b)]));
+                        session.merge(&symbols, merges, &mut out);
                     }
                 }
+                Encoding::Spm {
+                    scores,
+                    byte_tokens,
+                    add_space_prefix,
+                } => {
+                    escaped.clear();
+                    if *add_space_prefix && after_special {
+                        escaped.push(spm::SPACE);
+                    }
+                    escaped.extend(t.chars().map(|c| if c == ' ' { spm::SPACE } else { c }));
+                    let vocab = spm::Vocab {
+                        token_to_id: &self.token_to_id,
+                        scores,
+                        byte_tokens,
+                    };
+                    spm::encode(&escaped, &vocab, &mut out);
+                }
             }
+            after_special = false;
         }
         out
+    }
+
+    /// A prompt as the model expects it: [`Tokenizer::encode`], with BOS first where the file
+    /// asks for it ([`Tokenizer::add_bos`]) and the text did not already start with it (a
+    /// chat template may write it).
+    pub fn encode_prompt(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let mut ids = self.encode(text, parse_special);
+        if let Some(bos) = self.bos.filter(|_| self.add_bos) {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        ids
+    }
+
+    /// The token spelled exactly as `word`'s byte-level text, if there is one.
+    fn whole_word(&self, word: &[u8]) -> Option<u32> {
+        let Encoding::Bpe { byte_chars, .. } = &self.encoding else {
+            return None;
+        };
+        let text: String = word.iter().map(|&b| byte_chars[usize::from(b)]).collect();
+        self.token_to_id.get(&text).copied()
     }
 
     /// The raw bytes token `id` stands for: byte-level decoded for ordinary
@@ -271,9 +359,12 @@ impl Tokenizer {
         self.types.get(id as usize).copied()
     }
 
-    /// Number of usable merge rules.
+    /// Number of usable merge rules (BPE; 0 for SentencePiece).
     pub fn merge_count(&self) -> usize {
-        self.merges.len()
+        match &self.encoding {
+            Encoding::Bpe { merges, .. } => merges.len(),
+            Encoding::Spm { .. } => 0,
+        }
     }
 }
 
@@ -313,19 +404,79 @@ fn token_types(file: &GgufFile, n: usize) -> Result<Vec<TokenType>> {
         .collect()
 }
 
-fn decoded_bytes(tokens: &[String], types: &[TokenType]) -> (Vec<u8>, Vec<usize>) {
+/// Each token's bytes, concatenated, and where each starts: literal text for special tokens;
+/// byte-level decoded for BPE; for SentencePiece, `▁` read as a space, a byte token as its
+/// byte, and unused or undefined tokens as nothing (llama.cpp's `token_to_piece`).
+fn decoded_bytes(tokens: &[String], types: &[TokenType], spm: bool) -> (Vec<u8>, Vec<usize>) {
     let mut bytes = Vec::new();
     let mut offsets = Vec::with_capacity(tokens.len() + 1);
     offsets.push(0);
-    for (text, ty) in tokens.iter().zip(types) {
+    for (text, &ty) in tokens.iter().zip(types) {
         if ty.is_literal() {
             bytes.extend_from_slice(text.as_bytes());
-        } else {
+        } else if !spm {
             byte_level::decode(text, &mut bytes);
+        } else if ty == TokenType::Normal {
+            spm::unescape(text, &mut bytes);
+        } else if ty == TokenType::Byte {
+            bytes.extend(spm::byte_token_value(text));
         }
         offsets.push(bytes.len());
     }
     (bytes, offsets)
+}
+
+/// The pre-tokenizer a BPE vocabulary names, by the names llama.cpp gives each rule set
+/// (`llama_vocab::impl::load`).
+fn bpe_pre_tokenizer(file: &GgufFile) -> Result<PreTokenizer> {
+    Ok(match file.get_str(KEY_PRE)? {
+        "smollm" => PreTokenizer::SmolLm,
+        "gpt-2" => PreTokenizer::Gpt2,
+        "llama3" | "llama-v3" | "llama-bpe" => PreTokenizer::Llama3,
+        "qwen2" | "deepseek-r1-qwen" => PreTokenizer::Qwen2,
+        other => {
+            return Err(bad(format!(
+                "{KEY_PRE} is {other:?}; the supported pre-tokenizers are \"smollm\", \
+                 \"gpt-2\", \"llama-bpe\" (Llama 3) and \"qwen2\""
+            )))
+        }
+    })
+}
+
+/// A SentencePiece vocabulary's scores and byte tokens. Every byte must have its `<0xXX>`
+/// token, so any text encodes.
+fn spm_encoding(
+    file: &GgufFile,
+    tokens: &[String],
+    token_to_id: &HashMap<String, u32>,
+) -> Result<Encoding> {
+    let raw = file.get_array(KEY_SCORES)?;
+    if raw.len() != tokens.len() {
+        return Err(bad(format!(
+            "{KEY_SCORES} has {} entries but {KEY_TOKENS} has {}",
+            raw.len(),
+            tokens.len()
+        )));
+    }
+    let scores = raw
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Value::F32(score) => Ok(*score),
+            other => Err(bad(format!("{KEY_SCORES}[{i}] is {other:?}, not an f32"))),
+        })
+        .collect::<Result<Vec<f32>>>()?;
+    let mut byte_tokens = Box::new([NO_TOKEN; 256]);
+    for (byte, slot) in byte_tokens.iter_mut().enumerate() {
+        *slot = *token_to_id
+            .get(&format!("<0x{byte:02X}>"))
+            .ok_or_else(|| bad(format!("no byte token <0x{byte:02X}> for byte fallback")))?;
+    }
+    Ok(Encoding::Spm {
+        scores,
+        byte_tokens,
+        add_space_prefix: file.get_bool_or(KEY_ADD_SPACE_PREFIX, true)?,
+    })
 }
 
 /// Parses `"left right"` merge rules into id pairs. Rules whose parts or

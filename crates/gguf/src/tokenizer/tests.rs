@@ -11,6 +11,7 @@ const SPECIALS: [(&str, i32); 4] = [
     ("<user>", 4),
 ];
 const MERGES: [&str; 7] = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"];
+const WHOLE_WORD: &str = "xyz";
 
 fn strings(items: &[String]) -> Value {
     Value::Array(items.iter().map(|s| Value::String(s.clone())).collect())
@@ -28,6 +29,9 @@ fn builder() -> Builder {
         tokens.push(m.replace(' ', ""));
         types.push(Value::I32(1));
     }
+    // A whole word no merge reaches: Llama 3's vocabularies take it as one token anyway.
+    tokens.push(WHOLE_WORD.to_string());
+    types.push(Value::I32(1));
     let merges: Vec<String> = MERGES.iter().map(|m| m.to_string()).collect();
     Builder::new()
         .kv("tokenizer.ggml.model", Value::String("gpt2".into()))
@@ -56,7 +60,7 @@ fn pieces(t: &Tokenizer, ids: &[u32]) -> Vec<String> {
 #[test]
 fn merges_apply_by_rank() {
     let t = tokenizer();
-    assert_eq!(t.vocab_size(), 4 + 256 + MERGES.len());
+    assert_eq!(t.vocab_size(), 4 + 256 + MERGES.len() + 1);
     assert_eq!(t.merge_count(), MERGES.len());
     let ids = t.encode("hello world", false);
     assert_eq!(pieces(&t, &ids), ["hello", "Ġwor", "l", "d"]);
@@ -115,13 +119,15 @@ fn refuses_unsupported_vocabularies() {
             .kv("tokenizer.ggml.pre", Value::String(pre.into()))
     };
     assert_eq!(
-        tokenizer_from(file("llama", "smollm")).map(|_| ()),
+        tokenizer_from(file("bert", "smollm")).map(|_| ()),
         Err(Error::UnsupportedTokenizer {
-            model: "llama".into()
+            model: "bert".into()
         })
     );
-    let err = tokenizer_from(file("gpt2", "qwen2")).expect_err("qwen2 pre-tokenizer is refused");
-    assert!(err.to_string().contains("qwen2"), "{err}");
+    let err = tokenizer_from(file("gpt2", "falcon")).expect_err("falcon pre-tokenizer is refused");
+    for named in ["\"falcon\"", "\"smollm\"", "\"llama-bpe\"", "\"qwen2\""] {
+        assert!(err.to_string().contains(named), "{err}");
+    }
     assert!(matches!(
         tokenizer_from(file("gpt2", "smollm")),
         Err(Error::MissingKey { .. })
@@ -179,4 +185,46 @@ proptest! {
         let t = tokenizer();
         prop_assert_eq!(t.decode(&t.encode(&text, parse_special)), text);
     }
+}
+
+/// Llama 3's vocabularies take a word that is a token whole, though no merge reaches it, as
+/// llama.cpp does (`ignore_merges`); others merge it from bytes. And without an
+/// `add_bos_token` key, Llama 3's add BOS and the others do not (llama.cpp's defaults).
+#[test]
+fn llama3_vocabularies_take_whole_words_and_default_to_bos() {
+    let whole_word = tokenizer().token_id(WHOLE_WORD).expect("in the vocabulary");
+    let pre = |name: &str| with("tokenizer.ggml.pre", Value::String(name.into())).unwrap();
+    let llama3 = pre("llama-bpe");
+    assert_eq!(llama3.encode("xyz", false), [whole_word]);
+    let twice = llama3.encode("xyz xyz", false);
+    assert_eq!(
+        (twice[0], twice.len()),
+        (whole_word, 1 + 4),
+        "' xyz' is no token: 4 bytes"
+    );
+    for other in ["smollm", "qwen2", "gpt-2"] {
+        assert_eq!(pre(other).encode("xyz", false).len(), 3, "{other}");
+        assert!(!pre(other).add_bos(), "{other}");
+    }
+    assert!(llama3.add_bos());
+    // A prompt gets BOS first, once, even when the text writes it (as chat templates do).
+    let bos = llama3.bos_id().expect("the test vocabulary names BOS");
+    assert_eq!(llama3.encode_prompt("xyz", false), [bos, whole_word]);
+    let written = llama3.token_text(bos).unwrap().to_string() + "xyz";
+    assert_eq!(llama3.encode_prompt(&written, true), [bos, whole_word]);
+    assert_eq!(
+        pre("smollm").encode_prompt("xyz", false).len(),
+        3,
+        "no BOS asked for"
+    );
+    let mut file = GgufFile::parse(&builder().build()).unwrap();
+    let pre = Value::String("llama-bpe".into());
+    file.metadata.insert("tokenizer.ggml.pre".into(), pre);
+    let no = Value::Bool(false);
+    file.metadata
+        .insert("tokenizer.ggml.add_bos_token".into(), no);
+    assert!(
+        !Tokenizer::from_gguf(&file).unwrap().add_bos(),
+        "the file's key wins"
+    );
 }

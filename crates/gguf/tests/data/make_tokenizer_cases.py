@@ -2,6 +2,12 @@
 """Regenerates tokenizer_cases.json: llama.cpp's token ids for tricky strings.
 
 Usage: python3 make_tokenizer_cases.py [MODEL.gguf] > tokenizer_cases.json
+For the other pre-tokenizers, on scripts/fetch-test-models.sh's random models (SmolLM2's
+vocabulary, each family's pre-tokenizer):
+  make_tokenizer_cases.py models/requant/random-llama.gguf > tokenizer_cases.llama-bpe.json
+  make_tokenizer_cases.py models/requant/random-qwen2.gguf > tokenizer_cases.qwen2.json
+and Gemma's SentencePiece vocabulary:
+  make_tokenizer_cases.py models/requant/gemma-3-270m-q4_k_m.gguf > tokenizer_cases.gemma3.json
 Needs `pip install llama-cpp-python==0.3.36` (only the vocabulary is loaded).
 """
 import json
@@ -40,6 +46,14 @@ TEXTS = [
     "====----....!!!???",
     "The quick brown fox jumps over the lazy dog. " * 3,
     "fn main() {\n    println!(\"{}\", 1 + 2);\n}\n",
+    "1234567 x12345y 3.14159 +12,345.678",
+    "WE'RE I'M 'Ll it'S they'D",
+    "(x) [y] {z} \tif\t\tfor\n\twhile",
+    "a.\n\n\tb!!\r\n\r\n  c  \n",
+    "control \x00\x01\x07 bell \x1b[31mred\x1b[0m \x7f",
+    "tabs\t\t\tand   \n   \n\n\n    spaces",
+    "中文文本，标点。日本語のテキスト！한국어 텍스트",
+    "emoji 🎉🎉 mixed🙂text 👍🏽 and ☕️",
 ]
 
 

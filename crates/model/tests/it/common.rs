@@ -76,8 +76,13 @@ pub fn tokenizer() -> &'static Tokenizer {
 
 /// A pool shaped for the model with room for `tokens` tokens (whole pages of `PAGE_SIZE`).
 pub fn pool(tokens: usize) -> PagePool {
+    pool_for(model(), tokens)
+}
+
+/// `pool`, shaped for `model`.
+pub fn pool_for(model: &Model, tokens: usize) -> PagePool {
     PagePool::new(PoolConfig {
-        layout: model().config().kv_layout(PAGE_SIZE),
+        layout: model.config().kv_layout(PAGE_SIZE),
         size: PoolSize::Tokens(tokens),
         scrub_on_free: false,
     })
@@ -114,7 +119,7 @@ pub fn generate_on(model: &Model, request: &GenerateRequest) -> Generated {
 }
 
 fn generate_with(model: &Model, request: &GenerateRequest) -> (Generated, String) {
-    let mut pool = pool(request.prompt.len() + request.max_tokens + PAGE_SIZE);
+    let mut pool = pool_for(model, request.prompt.len() + request.max_tokens + PAGE_SIZE);
     let mut streamed = String::new();
     let generated = model::generate(
         model,

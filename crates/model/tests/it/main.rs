@@ -6,11 +6,15 @@
 //!   token for token (64 greedy tokens) on every reference prompt of the build they emulate.
 //! - `isolation`: I1 (a forward pass touches only pages its table still owns) and I9 (no page
 //!   leak), and that a batched step does not mix its sequences.
+//! - `formats`, `architectures`: every tensor format (SmolLM2 requantized) and every
+//!   architecture (random-weight models) against llama.cpp on the same file.
 //! - `generate`: the generation loop: length and stop endings, admission errors that leave the
 //!   pool untouched, seeded sampling, out-of-range tokens.
 //!
 //! The model is loaded once per binary (see `common::loaded`).
 
+mod against_llama_cpp;
+mod architectures;
 mod common;
 mod exact;
 mod formats;

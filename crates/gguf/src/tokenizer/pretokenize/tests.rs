@@ -33,17 +33,28 @@ fn regex_split<'t>(re: &Regex, text: &'t str) -> Vec<&'t str> {
     out
 }
 
+const ALL: [PreTokenizer; 4] = [
+    PreTokenizer::SmolLm,
+    PreTokenizer::Gpt2,
+    PreTokenizer::Llama3,
+    PreTokenizer::Qwen2,
+];
+
 fn reference(text: &str, pre: PreTokenizer) -> Vec<&str> {
-    static REGEXES: OnceLock<(Regex, Regex)> = OnceLock::new();
-    let (digits, gpt2) = REGEXES.get_or_init(|| {
-        (
+    static REGEXES: OnceLock<[Regex; 4]> = OnceLock::new();
+    let [digits, gpt2, llama3, qwen2] = REGEXES.get_or_init(|| {
+        [
             Regex::new(DIGITS).expect("digit regex is valid"),
             Regex::new(GPT2).expect("GPT-2 regex is valid"),
-        )
+            Regex::new(LLAMA3).expect("Llama 3 regex is valid"),
+            Regex::new(&LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")).expect("Qwen 2 regex is valid"),
+        ]
     });
     let pieces = match pre {
         PreTokenizer::SmolLm => regex_split(digits, text),
         PreTokenizer::Gpt2 => vec![text],
+        PreTokenizer::Llama3 => return regex_split(llama3, text),
+        PreTokenizer::Qwen2 => return regex_split(qwen2, text),
     };
     pieces
         .into_iter()
@@ -70,6 +81,17 @@ fn hand_checked_examples() {
         ["\t", "if", " (", "x", ")", " {", "\n\t", "\t", "return", ";"]
     );
     assert_eq!(words("", smol), Vec::<&str>::new());
+    let llama3 = PreTokenizer::Llama3;
+    assert_eq!(
+        words("(x) 1234567", llama3),
+        ["(x", ")", " ", "123", "456", "7"]
+    );
+    assert_eq!(
+        words("(x) 1234567", PreTokenizer::Qwen2)[3..],
+        ["1", "2", "3", "4", "5", "6", "7"]
+    );
+    assert_eq!(words("\tif I'M", llama3), ["\tif", " I", "'M"]);
+    assert_eq!(words("a.\n\nb", llama3), ["a", ".\n\n", "b"]);
     assert_eq!(
         words("héllo wörld 日本語 🙂", smol),
         ["héllo", " wörld", " 日本語", " 🙂"]
@@ -88,8 +110,11 @@ fn matches_fancy_regex_on_examples() {
         "tabs\t\tand\r\nnewlines\n\n\n",
         "   ",
         "🙂🙂 ok",
+        "(x) \tif 1234567 x12345y 3.14159",
+        "WE'RE I'M 'Ll it'S",
+        "a.\n\n\tb!!\r\n\r\n  c  \n",
     ] {
-        for pre in [PreTokenizer::SmolLm, PreTokenizer::Gpt2] {
+        for pre in ALL {
             assert_eq!(
                 words(text, pre),
                 reference(text, pre),
@@ -103,8 +128,8 @@ fn matches_fancy_regex_on_examples() {
 fn tricky_text() -> impl Strategy<Value = String> {
     let alphabet = vec![
         ' ', ' ', '\n', '\t', '\r', '\u{a0}', '\u{3000}', 'a', 'Z', 's', 't', 'r', 'e', 'v', 'l',
-        'm', 'd', 'é', '日', '\'', '\'', '"', '!', '.', '-', '0', '7', '²', 'Ⅻ', '٣', '\u{301}',
-        '🙂', '_', '\u{0}',
+        'm', 'd', 'S', 'E', 'L', 'é', '日', '\'', '\'', '"', '!', '.', '-', '0', '7', '7', '²',
+        'Ⅻ', '٣', '\u{301}', '🙂', '_', '\u{0}', '(',
     ];
     proptest::collection::vec(proptest::sample::select(alphabet), 0..40)
         .prop_map(|chars| chars.into_iter().collect())
@@ -115,14 +140,14 @@ proptest! {
 
     #[test]
     fn scanner_matches_fancy_regex(text in tricky_text()) {
-        for pre in [PreTokenizer::SmolLm, PreTokenizer::Gpt2] {
+        for pre in ALL {
             prop_assert_eq!(words(&text, pre), reference(&text, pre));
         }
     }
 
     #[test]
     fn pieces_tile_any_text(text in any::<String>()) {
-        for pre in [PreTokenizer::SmolLm, PreTokenizer::Gpt2] {
+        for pre in ALL {
             let pieces = words(&text, pre);
             prop_assert!(pieces.iter().all(|p| !p.is_empty()));
             prop_assert_eq!(pieces.concat(), text.clone());
