@@ -27,6 +27,10 @@ pub struct CommonArgs {
     /// Address to listen on
     #[arg(long, env = "AIRLOCK_HOST", default_value = "127.0.0.1")]
     pub host: String,
+    /// Log lines on stderr: text for people, or json (one object per line: timestamp, level,
+    /// target, fields) for log collectors
+    #[arg(long, env = "AIRLOCK_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
     /// Port to listen on [default: 8080 for serve, router and unified; 9001 prefill; 9002
     /// decode]
     #[arg(long, env = "AIRLOCK_PORT")]
@@ -222,6 +226,13 @@ pub struct ServeArgs {
     kv_transport: KvTransport,
 }
 
+/// See `--log-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
 /// See `serve --kv-transport`.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvTransport {
@@ -311,14 +322,18 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-fn init_logging() {
+fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+    };
 }
 
 fn read_model_file(args: &CommonArgs) -> Result<ModelFile> {
@@ -710,7 +725,7 @@ fn print_ready(address: &str, model_name: &str, open: bool) {
 /// `airlock serve`: router + prefill + decode in one process, the pages moved through shared
 /// memory (or over TCP on loopback, `--kv-transport tcp`).
 pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
-    init_logging();
+    init_logging(args.common.log_format);
     let transport = args.kv_transport;
     let args = args.common;
     check_open_bind(&args)?;
@@ -759,7 +774,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
 
 /// `airlock router`: the HTTP front for workers running elsewhere.
 pub fn router(args: RouterArgs) -> Result<()> {
-    init_logging();
+    init_logging(args.common.log_format);
     let mut workers: Vec<(String, Role)> = Vec::new();
     workers.extend(args.prefill.iter().map(|a| (a.clone(), Role::Prefill)));
     workers.extend(args.decode.iter().map(|a| (a.clone(), Role::Decode)));
@@ -795,7 +810,7 @@ pub fn router(args: RouterArgs) -> Result<()> {
 }
 
 fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -> Result<()> {
-    init_logging();
+    init_logging(args.common.log_format);
     if args.kv_socket.is_some() && role != Role::Decode {
         bail!("--kv-socket is a decode worker's flag: prefill workers write into it");
     }
@@ -854,7 +869,7 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
         };
         return run_worker(worker_args, Role::Unified, 9003, faults);
     }
-    init_logging();
+    init_logging(args.common.log_format);
     let args = args.common;
     check_open_bind(&args)?;
     let file = read_model_file(&args)?;

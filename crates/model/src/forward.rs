@@ -450,7 +450,8 @@ impl Model {
         });
     }
 
-    /// RMSNorm of each `head_dim`-wide head of `x` in place, with `weight` (qwen3's Q/K norm).
+    /// RMSNorm of each `head_dim`-wide head of `x` in place, with `weight` (the Q/K norms of
+    /// qwen3 and gemma3).
     fn norm_heads(&self, x: &mut [f32], weight: &[f32]) {
         let mut head = vec![0f32; self.config.head_dim];
         for normed in x.chunks_exact_mut(self.config.head_dim) {

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 /// One increment of a counter, with its labels: each counter's name and label set is fixed
@@ -134,13 +134,43 @@ type GaugeRow = (&'static str, &'static str, fn(&PoolGauges) -> f64);
 
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 const ITL_BUCKETS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
+const REQUEST_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
 
 pub struct Metrics {
     /// Keyed by the increment itself: labels are rendered at scrape time, not per request.
     counters: Mutex<HashMap<Counter, u64>>,
     ttft: Histogram,
     itl: Histogram,
+    request_duration: Histogram,
     http_connections_open: AtomicUsize,
+    /// Tokens of finished requests: prompt, generated, and the prompt's share that came from
+    /// the prefix cache.
+    tokens: [AtomicU64; 3],
+}
+
+/// The token counters, in `Metrics::tokens` order: (name, help).
+const TOKEN_COUNTERS: [(&str, &str); 3] = [
+    (
+        "airlock_prompt_tokens_total",
+        "Prompt tokens of requests that finished (cached ones included).",
+    ),
+    (
+        "airlock_generation_tokens_total",
+        "Tokens generated for requests that finished.",
+    ),
+    (
+        "airlock_cached_prompt_tokens_total",
+        "Prompt tokens of finished requests whose K/V came from the prefix cache.",
+    ),
+];
+
+/// What /metrics reads from the router itself at scrape time.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RouterGauges {
+    /// Requests submitted to the workers and not yet started.
+    pub waiting: usize,
+    /// Requests admitted and not finished (waiting ones included).
+    pub in_flight: usize,
 }
 
 struct Histogram {
@@ -193,7 +223,13 @@ impl Metrics {
                 "Time between consecutive streamed tokens of one request.",
                 ITL_BUCKETS,
             ),
+            request_duration: Histogram::new(
+                "airlock_request_duration_seconds",
+                "Time from request arrival to its last token, for requests that finished.",
+                REQUEST_BUCKETS,
+            ),
             http_connections_open: AtomicUsize::new(0),
+            tokens: Default::default(),
         }
     }
 
@@ -219,7 +255,16 @@ impl Metrics {
         self.itl.observe(seconds);
     }
 
-    pub fn render(&self, pools: &[PoolGauges], router_waiting: usize) -> String {
+    /// A finished request: its token counts and how long it took from arrival.
+    pub fn request_finished(&self, prompt: u64, generated: u64, cached: u64, seconds: f64) {
+        for (counter, n) in self.tokens.iter().zip([prompt, generated, cached]) {
+            counter.fetch_add(n, Ordering::Relaxed);
+        }
+        self.request_duration.observe(seconds);
+    }
+
+    pub fn render(&self, pools: &[PoolGauges], router: RouterGauges) -> String {
+        let router_waiting = router.waiting;
         let mut out = String::new();
         let counters = self
             .counters
@@ -239,7 +284,19 @@ impl Metrics {
             }
         }
         drop(counters);
-        let gauges: [GaugeRow; 15] = [
+        for ((name, help), value) in TOKEN_COUNTERS.iter().zip(&self.tokens) {
+            let value = value.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}"
+            );
+        }
+        let gauges: [GaugeRow; 16] = [
+            (
+                "airlock_kv_usage_ratio",
+                "Share of a worker's KV pages held by requests (0 to 1).",
+                |p| f64::from(p.pages_total - p.pages_free) / f64::from(p.pages_total.max(1)),
+            ),
             (
                 "airlock_kv_pages_free",
                 "Free KV pages per worker (cached pages no request uses count as free).",
@@ -344,6 +401,15 @@ impl Metrics {
              started.\n# TYPE airlock_router_queue_depth gauge\n\
              airlock_router_queue_depth {router_waiting}"
         );
+        let running = router.in_flight.saturating_sub(router.waiting);
+        let _ = writeln!(
+            out,
+            "# HELP airlock_requests_waiting Requests admitted and not yet started (as \
+             airlock_router_queue_depth).\n# TYPE airlock_requests_waiting gauge\n\
+             airlock_requests_waiting {router_waiting}\n\
+             # HELP airlock_requests_running Requests started and not yet finished.\n\
+             # TYPE airlock_requests_running gauge\nairlock_requests_running {running}"
+        );
         let _ = writeln!(
             out,
             "# HELP airlock_http_connections_open Client connections open at the HTTP edge.\n\
@@ -354,6 +420,7 @@ impl Metrics {
         render_transfer(&mut out, pools);
         self.ttft.render(&mut out);
         self.itl.render(&mut out);
+        self.request_duration.render(&mut out);
         out
     }
 }
@@ -503,7 +570,7 @@ mod tests {
         metrics.inc(Counter::HttpConnectionsRefused { reason: "full" });
         metrics.inc(Counter::HttpConnectionsClosed { reason: "idle" });
         metrics.inc(Counter::WorkersRefused { reason: "auth" });
-        let page = metrics.render(&[], 0);
+        let page = metrics.render(&[], RouterGauges::default());
         let expected = "\
 # HELP airlock_requests_total Requests by outcome (ok, error, cancelled) and reason (finish reason, error code).
 # TYPE airlock_requests_total counter
@@ -523,5 +590,49 @@ airlock_http_connections_closed_total{reason=\"idle\"} 1
 airlock_workers_refused_total{reason=\"auth\"} 1
 ";
         assert!(page.starts_with(expected), "{page}");
+    }
+
+    /// Finished requests' tokens and durations, the running and waiting gauges, and each
+    /// worker's KV usage ratio, as /metrics writes them.
+    #[test]
+    fn tokens_durations_running_and_kv_usage_render() {
+        let metrics = Metrics::new();
+        metrics.request_finished(100, 20, 64, 0.3);
+        metrics.request_finished(10, 5, 0, 2.0);
+        let pool = PoolGauges {
+            worker: "d".into(),
+            role: "decode",
+            up: true,
+            pages_free: 30,
+            pages_total: 40,
+            pages_quarantined: 0,
+            queue_depth: 0,
+            ownership_failures: 0,
+            frames_rejected: 0,
+            auth_failures: 0,
+            prefix: Default::default(),
+            transfer: Default::default(),
+        };
+        let gauges = RouterGauges {
+            waiting: 2,
+            in_flight: 5,
+        };
+        let page = metrics.render(&[pool], gauges);
+        for line in [
+            "airlock_prompt_tokens_total 110",
+            "airlock_generation_tokens_total 25",
+            "airlock_cached_prompt_tokens_total 64",
+            "airlock_kv_usage_ratio{worker=\"d\",role=\"decode\"} 0.25",
+            "airlock_requests_waiting 2",
+            "airlock_requests_running 3",
+            "airlock_request_duration_seconds_bucket{le=\"0.5\"} 1",
+            "airlock_request_duration_seconds_bucket{le=\"2.5\"} 2",
+            "airlock_request_duration_seconds_count 2",
+        ] {
+            assert!(
+                page.lines().any(|l| l == line),
+                "no line {line:?} in:\n{page}"
+            );
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::admission::{admit, authenticate, rate_limited, read_body, require_json};
 use crate::error::ApiError;
-use crate::metrics::{Counter, RequestOutcome};
+use crate::metrics::{Counter, RequestOutcome, RouterGauges};
 use crate::openai::{parse_chat, parse_completion, ChatRequest, CompletionRequest, Endpoint};
 use crate::openai::{Job, Limits};
 use crate::responses::{
@@ -350,10 +350,11 @@ pub(crate) async fn ready(State(state): State<Arc<AppState>>) -> Response {
         content_type = "text/plain", body = String))
 )]
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    let text = state.metrics.render(
-        &state.cluster.gauges(),
-        state.waiting.load(Ordering::Relaxed),
-    );
+    let router = RouterGauges {
+        waiting: state.waiting.load(Ordering::Relaxed),
+        in_flight: state.config.in_flight_max - state.in_flight.available_permits(),
+    };
+    let text = state.metrics.render(&state.cluster.gauges(), router);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -433,6 +433,12 @@ impl Run {
             outcome: RequestOutcome::Ok,
             reason: finish.label(),
         });
+        self.state.metrics.request_finished(
+            u64::from(prompt_tokens),
+            u64::from(completion_tokens),
+            u64::from(self.cached_tokens),
+            self.arrived.elapsed().as_secs_f64(),
+        );
         self.enter(Phase::Ended(Ending::Finished));
         let usage = Usage::new(prompt_tokens, completion_tokens, self.cached_tokens);
         Some(Step::Finished(finish, usage))

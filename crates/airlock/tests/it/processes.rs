@@ -570,3 +570,65 @@ fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
     );
     println!("{stdout}");
 }
+
+/// `--log-format json`: every line `serve` writes on stderr, up to its workers' "worker
+/// loaded", is one JSON object with a timestamp, a level and its fields, as log collectors
+/// read them.
+#[test]
+fn json_logs_are_one_object_per_line() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let mut child = airlock()
+        .args([
+            "serve",
+            "--log-format",
+            "json",
+            "--port",
+            &port,
+            "--threads",
+            "1",
+        ])
+        .args(["--context-length", "512", "--model", &model_path()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("airlock starts");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let process = Process {
+        child,
+        name: "serve --log-format json",
+    };
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let loaded = line.contains("worker loaded");
+            let _ = tx.send(line);
+            if loaded {
+                break;
+            }
+        }
+    });
+    let mut lines = Vec::new();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+        let loaded = line.contains("worker loaded");
+        lines.push(line);
+        if loaded {
+            break;
+        }
+    }
+    drop(process);
+    assert!(
+        lines.last().is_some_and(|l| l.contains("worker loaded")),
+        "serve logged its workers loading: {lines:#?}"
+    );
+    for line in &lines {
+        let object: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not one JSON object ({e}): {line}"));
+        for key in ["timestamp", "level", "fields"] {
+            assert!(object.get(key).is_some(), "no {key:?} in {line}");
+        }
+    }
+}

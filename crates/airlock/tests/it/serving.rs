@@ -758,3 +758,55 @@ fn best_of_answers_the_most_likely_of_its_samples() {
         assert!(idle, "pools back to their start:\n{page}");
     });
 }
+
+/// What an operator's dashboard reads moves as requests finish: prompt, generation and
+/// cached-token counters by each request's usage, the end-to-end duration histogram by one
+/// per request, and the running gauge back to 0 with every worker's KV usage ratio at 0.
+#[test]
+fn metrics_count_tokens_and_durations_as_requests_finish() {
+    let server = start(Options::new(Mode::Disaggregated));
+    runtime().block_on(async {
+        let url = &server.url;
+        let total = |page: &str, name: &str| -> f64 {
+            crate::harness::samples(page, name)
+                .iter()
+                .map(|s| s.1)
+                .sum()
+        };
+        let names = [
+            "airlock_prompt_tokens_total",
+            "airlock_generation_tokens_total",
+            "airlock_cached_prompt_tokens_total",
+            "airlock_request_duration_seconds_count",
+        ];
+        let before = crate::harness::metrics(url).await;
+        let mut usage = [0f64; 3];
+        // The same prompt twice: the second starts from the first's cached pages.
+        let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+        for _ in 0..2 {
+            let mut body = completion(&prompt, 6);
+            body["ignore_eos"] = json!(true);
+            let answer = post(url, "/v1/completions", body).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            let u = &answer.json()["usage"];
+            usage[0] += u["prompt_tokens"].as_f64().unwrap();
+            usage[1] += u["completion_tokens"].as_f64().unwrap();
+            usage[2] += u["prompt_tokens_details"]["cached_tokens"]
+                .as_f64()
+                .unwrap_or(0.0);
+        }
+        assert_eq!(usage[1], 12.0);
+        assert!(usage[2] > 0.0, "the second request hit the cache");
+        let (idle, after) = wait_idle(url).await;
+        assert!(idle, "{after}");
+        let moved: Vec<f64> = names
+            .iter()
+            .map(|name| total(&after, name) - total(&before, name))
+            .collect();
+        assert_eq!(moved, [usage[0], usage[1], usage[2], 2.0], "{after}");
+        assert_eq!(total(&after, "airlock_requests_running"), 0.0, "{after}");
+        let ratios = crate::harness::samples(&after, "airlock_kv_usage_ratio");
+        assert_eq!(ratios.len(), 2, "one per worker: {after}");
+        assert!(ratios.iter().all(|(_, r)| *r == 0.0), "{after}");
+    });
+}

@@ -96,7 +96,7 @@ async fn a_connection_streaming_an_answer_is_never_evicted_but_an_idle_one_is() 
         closed.await.is_ok(),
         "the idle connection was closed for the newcomer"
     );
-    let page = metrics.render(&[], 0);
+    let page = metrics.render(&[], Default::default());
     assert!(page.contains("airlock_http_connections_closed_total{reason=\"evicted\"} 1"));
     assert!(page.contains("airlock_http_connections_refused_total{reason=\"full\"} 1"));
 }
@@ -123,7 +123,7 @@ async fn one_address_past_its_share_is_answered_429_and_others_still_get_in() {
     assert!(read_until(&mut other, "fast")
         .await
         .starts_with("HTTP/1.1 200"));
-    let page = metrics.render(&[], 0);
+    let page = metrics.render(&[], Default::default());
     assert!(page.contains("airlock_http_connections_refused_total{reason=\"per_client\"} 1"));
     assert!(page.contains("airlock_http_connections_open 3"), "{page}");
 }
