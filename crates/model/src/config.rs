@@ -134,10 +134,7 @@ impl ModelConfig {
         let sliding_window = match (architecture, file.get_u32(&key("attention.sliding_window"))) {
             (Architecture::Gemma3, Ok(window)) if window > 0 => Some(SlidingWindow {
                 window: window as usize,
-                pattern: match file.get(&key("attention.sliding_window_pattern")) {
-                    None => 6,
-                    Some(_) => file.get_u32(&key("attention.sliding_window_pattern"))? as usize,
-                },
+                pattern: file.get_u32_or(&key("attention.sliding_window_pattern"), 6)? as usize,
                 rope_freq_base: file.get_f32_or(&key("rope.freq_base_swa"), 10000.0)?,
             }),
             _ => None,

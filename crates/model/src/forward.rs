@@ -606,7 +606,7 @@ impl Model {
         out: &mut [f32],
     ) {
         let head_dim = self.config.head_dim;
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        let scale = self.config.attention_scale;
         let mut seq_rows = vec![0usize; views.len()];
         for row in rows {
             seq_rows[row.seq] += 1;

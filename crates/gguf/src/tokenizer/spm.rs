@@ -208,6 +208,30 @@ mod tests {
         assert_eq!(pieces("▁hi", &no_bridge), ["▁", "h", "i"]);
     }
 
+    proptest::proptest! {
+        /// Any text encodes without a panic, to ids of the vocabulary whose bytes are the
+        /// text's.
+        #[test]
+        fn any_text_encodes_to_its_own_bytes(text in "\\PC*") {
+            let entries = [("▁a", -1.0), ("ab", -2.0), ("▁", -3.0), ("a", -3.0), ("b", -3.0)];
+            let (token_to_id, scores, byte_tokens) = vocab_of(&entries);
+            let vocab = Vocab { token_to_id: &token_to_id, scores: &scores, byte_tokens: &byte_tokens };
+            let escaped: String = text.chars().map(|c| if c == ' ' { SPACE } else { c }).collect();
+            let mut ids = Vec::new();
+            encode(&escaped, &vocab, &mut ids);
+            let names: HashMap<u32, &String> = token_to_id.iter().map(|(t, &i)| (i, t)).collect();
+            let mut bytes = Vec::new();
+            for id in &ids {
+                let name = names[id];
+                match byte_token_value(name) {
+                    Some(b) => bytes.push(b),
+                    None => bytes.extend_from_slice(name.as_bytes()),
+                }
+            }
+            proptest::prop_assert_eq!(bytes, escaped.into_bytes());
+        }
+    }
+
     #[test]
     fn byte_tokens_and_spaces_read_back() {
         assert_eq!(byte_token_value("<0x0A>"), Some(b'\n'));

@@ -228,3 +228,42 @@ fn llama3_vocabularies_take_whole_words_and_default_to_bos() {
         "the file's key wins"
     );
 }
+
+/// A SentencePiece vocabulary (`llama`) is refused, not run, when its scores do not match its
+/// tokens or a byte has no `<0xXX>` token for byte fallback; a whole one loads, and any text
+/// encodes to ids of the vocabulary, bytes falling back where no piece covers them.
+#[test]
+fn sentencepiece_vocabularies_are_checked_at_load() {
+    let bytes: Vec<String> = (0..=255u8).map(|b| format!("<0x{b:02X}>")).collect();
+    let spm = |tokens: &[String], scores: Vec<Value>| {
+        let types = vec![Value::I32(6); 256]
+            .into_iter()
+            .chain(std::iter::repeat_n(Value::I32(1), tokens.len() - 256))
+            .collect();
+        tokenizer_from(
+            Builder::new()
+                .kv("tokenizer.ggml.model", Value::String("llama".into()))
+                .kv("tokenizer.ggml.tokens", strings(tokens))
+                .kv("tokenizer.ggml.token_type", Value::Array(types))
+                .kv("tokenizer.ggml.scores", Value::Array(scores))
+                .kv("tokenizer.ggml.add_space_prefix", Value::Bool(false))
+                .kv("tokenizer.ggml.eos_token_id", Value::U32(0)),
+        )
+    };
+    let tokens: Vec<String> = bytes
+        .iter()
+        .cloned()
+        .chain(["▁hi".into(), "hi".into(), "▁".into()])
+        .collect();
+    let scores = |n| vec![Value::F32(-1.0); n];
+    let t = spm(&tokens, scores(tokens.len())).expect("a whole vocabulary loads");
+    let ids = t.encode(" hi é", false);
+    assert_eq!(ids.len(), 4, "▁hi, then ▁ and é as bytes: {ids:?}");
+    assert_eq!(t.decode(&ids), " hi é");
+    let short = spm(&tokens, scores(tokens.len() - 1)).expect_err("a score short");
+    assert!(short.to_string().contains("scores"), "{short}");
+    let mut no_byte = tokens.clone();
+    no_byte[0x41] = "A".into();
+    let missing = spm(&no_byte, scores(no_byte.len())).expect_err("no <0x41>");
+    assert!(missing.to_string().contains("<0x41>"), "{missing}");
+}

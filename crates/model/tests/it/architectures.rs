@@ -8,17 +8,13 @@
 
 use crate::against_llama_cpp;
 use crate::common;
-use std::path::PathBuf;
 
 fn check_architecture(arch: &str) {
-    let dir = std::env::var_os("AIRLOCK_TEST_MODELS").map_or_else(
-        || common::workspace_root().join("models/requant"),
-        PathBuf::from,
-    );
     let name = format!("random-{arch}");
     let reference =
         common::workspace_root().join(format!("tests/data/architectures/{name}/reference.json"));
-    against_llama_cpp::check_file(&name, &dir.join(format!("{name}.gguf")), &reference, &[]);
+    let path = common::test_model(&format!("{name}.gguf"));
+    against_llama_cpp::check_file(&name, &path, &reference, &[]);
 }
 
 #[test]
@@ -42,11 +38,7 @@ fn random_qwen3_agrees_with_llama_cpp() {
 /// as the file asks (`make_reference.py --add-bos`).
 #[test]
 fn gemma3_270m_agrees_with_llama_cpp() {
-    let dir = std::env::var_os("AIRLOCK_TEST_MODELS").map_or_else(
-        || common::workspace_root().join("models/requant"),
-        PathBuf::from,
-    );
     let reference = common::workspace_root().join("tests/data/architectures/gemma3/reference.json");
-    let path = dir.join("gemma-3-270m-q4_k_m.gguf");
+    let path = common::test_model("gemma-3-270m-q4_k_m.gguf");
     against_llama_cpp::check_file("gemma3", &path, &reference, &[]);
 }

@@ -20,6 +20,14 @@ pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// Test model `name` of scripts/fetch-test-models.sh (`$AIRLOCK_TEST_MODELS`, else
+/// models/requant).
+pub fn test_model(name: &str) -> PathBuf {
+    let dir = std::env::var_os("AIRLOCK_TEST_MODELS")
+        .map_or_else(|| workspace_root().join("models/requant"), PathBuf::from);
+    dir.join(name)
+}
+
 fn model_path() -> PathBuf {
     match std::env::var_os("AIRLOCK_MODEL") {
         Some(path) => PathBuf::from(path),

@@ -21,11 +21,7 @@ use std::path::PathBuf;
 const KNOWN_PARTINGS: &[KnownParting] = &[("F16", "code_fibonacci", 21)];
 
 fn model_path(type_name: &str) -> PathBuf {
-    let dir = std::env::var_os("AIRLOCK_TEST_MODELS").map_or_else(
-        || common::workspace_root().join("models/requant"),
-        PathBuf::from,
-    );
-    dir.join(format!("SmolLM2-135M-Instruct.{type_name}.gguf"))
+    common::test_model(&format!("SmolLM2-135M-Instruct.{type_name}.gguf"))
 }
 
 /// Loads the `type_name` file and holds it to llama.cpp on the six reference prompts.
