@@ -3,7 +3,9 @@
 # (scripts/fetch-test-models.sh), the official `openai` Python
 # client (the serving tests drive `airlock serve` with it), schemathesis (the OpenAPI fuzz
 # test, TEST-MATRIX A16, runs it against the served /openapi.json), lm-evaluation-harness
-# with its API extra (a log-likelihood task runs against `serve`; no torch), and a TrueType
+# with its API extra (a log-likelihood task runs against `serve`; no torch),
+# kubernetes-validate (checks deploy/kubernetes against the Kubernetes API schemas it
+# bundles, offline), and a TrueType
 # font for
 # the chart test of `airlock bench --plot` (Debian's fonts-dejavu-core; plotters renders text
 # with ab_glyph from a .ttf file, no fontconfig). Idempotent: nothing is downloaded when all are
@@ -13,6 +15,7 @@ set -euo pipefail
 OPENAI_VERSION="3.57.0"
 SCHEMATHESIS_VERSION="4.32.5"
 LM_EVAL_VERSION="0.4.13"
+KUBERNETES_VALIDATE_VERSION="1.37.0"
 FONT="${AIRLOCK_PLOT_FONT:-/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf}"
 
 if [ ! -f "$FONT" ]; then
@@ -32,22 +35,26 @@ fi
 "$(dirname "${BASH_SOURCE[0]}")/fetch-test-models.sh"
 
 installed() {
-    python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" "$LM_EVAL_VERSION" 2>/dev/null <<'PY'
+    python3 - "$OPENAI_VERSION" "$SCHEMATHESIS_VERSION" "$LM_EVAL_VERSION" \
+        "$KUBERNETES_VALIDATE_VERSION" 2>/dev/null <<'PY'
 import sys
 from importlib.metadata import version
 import aiohttp, tenacity  # lm_eval[api]
-sys.exit((version("openai"), version("schemathesis"), version("lm_eval")) != tuple(sys.argv[1:]))
+names = ("openai", "schemathesis", "lm_eval", "kubernetes-validate")
+sys.exit(tuple(version(name) for name in names) != tuple(sys.argv[1:]))
 PY
 }
 if installed; then
     exit 0
 fi
-echo "installing openai==$OPENAI_VERSION, schemathesis==$SCHEMATHESIS_VERSION and" \
-    "lm_eval==$LM_EVAL_VERSION (Python tools the tests use)" >&2
+echo "installing openai==$OPENAI_VERSION, schemathesis==$SCHEMATHESIS_VERSION," \
+    "lm_eval==$LM_EVAL_VERSION and kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" \
+    "(Python tools the tests use)" >&2
 pip_install() {
     python3 -m pip install --quiet --disable-pip-version-check "$@" \
         "openai==$OPENAI_VERSION" "schemathesis==$SCHEMATHESIS_VERSION" \
-        "lm_eval[api]==$LM_EVAL_VERSION"
+        "lm_eval[api]==$LM_EVAL_VERSION" \
+        "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
 }
 # Debian's system Python refuses plain installs (PEP 668); these are test-only dependencies.
 pip_install || pip_install --break-system-packages

@@ -104,6 +104,20 @@ pub struct CommonArgs {
     /// Requests in flight in the router at once, over all tenants; more get 503
     #[arg(long, env = "AIRLOCK_IN_FLIGHT_MAX", default_value_t = 512)]
     pub in_flight_max: usize,
+    /// How many more times the router tries a request on other workers when one fails on a
+    /// worker's transport (lost link, failed transfer) or is refused by a worker shutting
+    /// down, before anything of the answer was sent (a stream once it began is not retried)
+    #[arg(long, env = "AIRLOCK_RETRIES", default_value_t = 2)]
+    pub retries: u32,
+    /// On SIGTERM or Ctrl-C: how long to finish the requests in progress before exiting.
+    /// The router answers readiness with 503 `draining` at once and takes no new connection;
+    /// a worker tells its routers it drains (they stop sending it requests) and takes none
+    #[arg(long, env = "AIRLOCK_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
+    pub drain_timeout_ms: u64,
+    /// On SIGTERM or Ctrl-C, how long the router keeps taking connections while readiness
+    /// already answers 503 `draining`, so a load balancer notices before the port closes
+    #[arg(long, env = "AIRLOCK_DRAIN_DELAY_MS", default_value_t = 0)]
+    pub drain_delay_ms: u64,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -636,7 +650,8 @@ async fn run_router(
     );
     let listener = bind(&args.host, port).await?;
     let address = listener.local_addr()?;
-    let edge = edge_config(&args.http);
+    let mut edge = edge_config(&args.http);
+    edge.shutdown_grace = Duration::from_millis(args.drain_timeout_ms);
     let config = RouterConfig {
         model_id: args.model_name.clone(),
         context_length: context_length.unwrap_or(file.shape.context_length_max) as usize,
@@ -648,6 +663,7 @@ async fn run_router(
         body_timeout: Duration::from_millis(args.http.body_timeout_ms),
         cors_allow_origins: args.http.cors_allow_origin.clone(),
         prefix_cache: !args.no_prefix_cache,
+        retries: args.retries,
     };
     let open = tenants.is_open();
     let state = Arc::new(AppState::new(
@@ -662,13 +678,38 @@ async fn run_router(
         tracing::warn!("not every worker is linked yet; serving anyway (see /health)");
     }
     print_ready(&address.to_string(), &args.model_name, open);
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
+    let stopping = state.clone();
+    let stop = async move {
+        let signal = stop_signal().await;
+        stopping
+            .draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(
+            signal,
+            drain_delay_ms = args.drain_delay_ms,
+            drain_timeout_ms = args.drain_timeout_ms,
+            "stopping: readiness answers 503 draining; finishing the requests in progress"
+        );
+        tokio::time::sleep(Duration::from_millis(args.drain_delay_ms)).await;
     };
-    router::edge::serve(listener, router::app(state), edge, metrics, ctrl_c)
+    router::edge::serve(listener, router::app(state.clone()), edge, metrics, stop)
         .await
         .context("HTTP server")?;
+    tracing::info!("stopped");
     Ok(())
+}
+
+/// Waits for SIGTERM (how Kubernetes and systemd stop a process) or Ctrl-C, and names it.
+async fn stop_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+    }
 }
 
 /// The edge's bounds from the flags, with the connection cap sized from the open-file limit
@@ -837,7 +878,7 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
                 .with_context(|| format!("cannot listen on {}", path.display()))?;
             listeners.push(Listener::Unix(unix));
         }
-        let _worker = spawn_worker(&common, &file, role, name, listeners, &secret, faults).await?;
+        let worker = spawn_worker(&common, &file, role, name, listeners, &secret, faults).await?;
         match &args.kv_socket {
             Some(path) => println!(
                 "Airlock {role_name} worker listening on {address} and {UNIX_PREFIX}{}",
@@ -845,7 +886,16 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
             ),
             None => println!("Airlock {role_name} worker listening on {address}"),
         }
-        let _ = tokio::signal::ctrl_c().await;
+        let signal = stop_signal().await;
+        let deadline = Duration::from_millis(common.drain_timeout_ms);
+        tracing::info!(signal, drain_timeout_ms = common.drain_timeout_ms, "stopping: draining");
+        tokio::select! {
+            drained = worker.drain(deadline) => match drained {
+                true => tracing::info!("drained; exiting"),
+                false => tracing::warn!("requests still in progress after the drain timeout; exiting"),
+            },
+            signal = stop_signal() => tracing::warn!(signal, "stopped again: exiting without draining"),
+        }
         Ok(())
     })
 }

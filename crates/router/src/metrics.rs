@@ -26,6 +26,9 @@ pub enum Counter {
     HttpConnectionsClosed { reason: &'static str },
     /// `airlock_workers_refused_total{reason}`.
     WorkersRefused { reason: &'static str },
+    /// `airlock_request_retries_total{reason}`: tries of a request on other workers after a
+    /// transport failure, by the failure.
+    Retries { reason: &'static str },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -49,15 +52,17 @@ enum CounterName {
     HttpConnectionsRefused,
     HttpConnectionsClosed,
     WorkersRefused,
+    Retries,
 }
 
 impl CounterName {
-    const ALL: [CounterName; 5] = [
+    const ALL: [CounterName; 6] = [
         CounterName::Requests,
         CounterName::Transfers,
         CounterName::HttpConnectionsRefused,
         CounterName::HttpConnectionsClosed,
         CounterName::WorkersRefused,
+        CounterName::Retries,
     ];
 
     fn name(self) -> &'static str {
@@ -67,6 +72,7 @@ impl CounterName {
             CounterName::HttpConnectionsRefused => "airlock_http_connections_refused_total",
             CounterName::HttpConnectionsClosed => "airlock_http_connections_closed_total",
             CounterName::WorkersRefused => "airlock_workers_refused_total",
+            CounterName::Retries => "airlock_request_retries_total",
         }
     }
 
@@ -89,6 +95,10 @@ impl CounterName {
             CounterName::WorkersRefused => {
                 "Workers the router refused at the handshake, by reason (auth, a mismatched field)."
             }
+            CounterName::Retries => {
+                "Requests tried again on other workers after a transport failure, before any of \
+                 the answer was sent, by the failure."
+            }
         }
     }
 }
@@ -101,6 +111,7 @@ impl Counter {
             Counter::HttpConnectionsRefused { .. } => CounterName::HttpConnectionsRefused,
             Counter::HttpConnectionsClosed { .. } => CounterName::HttpConnectionsClosed,
             Counter::WorkersRefused { .. } => CounterName::WorkersRefused,
+            Counter::Retries { .. } => CounterName::Retries,
         }
     }
 
@@ -124,17 +135,23 @@ impl Counter {
             }
             Counter::HttpConnectionsRefused { reason }
             | Counter::HttpConnectionsClosed { reason }
-            | Counter::WorkersRefused { reason } => format_labels(&[("reason", reason)]),
+            | Counter::WorkersRefused { reason }
+            | Counter::Retries { reason } => format_labels(&[("reason", reason)]),
         }
     }
 }
 
 /// (name, help, value) of one per-worker gauge.
 type GaugeRow = (&'static str, &'static str, fn(&PoolGauges) -> f64);
+/// (name, help, value) of one per-worker 0/1 gauge.
+type FlagRow = (&'static str, &'static str, fn(&PoolGauges) -> bool);
 
 const TTFT_BUCKETS: &[f64] = &[0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 const ITL_BUCKETS: &[f64] = &[0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
 const REQUEST_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0];
+const QUEUE_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0,
+];
 
 pub struct Metrics {
     /// Keyed by the increment itself: labels are rendered at scrape time, not per request.
@@ -142,6 +159,7 @@ pub struct Metrics {
     ttft: Histogram,
     itl: Histogram,
     request_duration: Histogram,
+    queue: Histogram,
     http_connections_open: AtomicUsize,
     /// Tokens of finished requests: prompt, generated, and the prompt's share that came from
     /// the prefix cache.
@@ -201,6 +219,10 @@ pub struct PoolGauges {
     pub auth_failures: u64,
     pub prefix: transfer::PrefixCounters,
     pub transfer: transfer::PerTransport,
+    pub draining: bool,
+    pub breaker_open: bool,
+    /// Transport failures laid at the worker, in `TransportFault::ALL` order.
+    pub failures: [u64; 4],
 }
 
 impl Default for Metrics {
@@ -228,6 +250,12 @@ impl Metrics {
                 "Time from request arrival to its last token, for requests that finished.",
                 REQUEST_BUCKETS,
             ),
+            queue: Histogram::new(
+                "airlock_queue_seconds",
+                "Time from request arrival until a decode (or unified) worker reserved its KV \
+                 pages.",
+                QUEUE_BUCKETS,
+            ),
             http_connections_open: AtomicUsize::new(0),
             tokens: Default::default(),
         }
@@ -253,6 +281,10 @@ impl Metrics {
 
     pub fn observe_itl(&self, seconds: f64) {
         self.itl.observe(seconds);
+    }
+
+    pub fn observe_queue(&self, seconds: f64) {
+        self.queue.observe(seconds);
     }
 
     /// A finished request: its token counts and how long it took from arrival.
@@ -395,6 +427,7 @@ impl Metrics {
             let labels = format_labels(&[("worker", &pool.worker), ("role", pool.role)]);
             let _ = writeln!(out, "airlock_worker_up{labels} {}", u8::from(pool.up));
         }
+        render_worker_health(&mut out, pools);
         let _ = writeln!(
             out,
             "# HELP airlock_router_queue_depth Requests admitted by the router and not yet \
@@ -421,6 +454,7 @@ impl Metrics {
         self.ttft.render(&mut out);
         self.itl.render(&mut out);
         self.request_duration.render(&mut out);
+        self.queue.render(&mut out);
         out
     }
 }
@@ -471,6 +505,50 @@ impl Histogram {
 /// `airlock_transfer_bytes_total` (prefill: page bytes sent; decode: page bytes of verified
 /// transfers) and `airlock_transfer_seconds` (decode: from a transfer's first page frame to
 /// its verified seal), per worker and transport: bandwidth is their ratio.
+/// Draining and breaker gauges, and the transport failures laid at each worker.
+fn render_worker_health(out: &mut String, pools: &[PoolGauges]) {
+    let flags: [FlagRow; 2] = [
+        (
+            "airlock_worker_draining",
+            "1 if the worker reported that it is shutting down (it gets no new requests).",
+            |p| p.draining,
+        ),
+        (
+            "airlock_worker_breaker_open",
+            "1 while the worker's circuit breaker keeps it out of rotation (after consecutive \
+             transport failures).",
+            |p| p.breaker_open,
+        ),
+    ];
+    for (name, help, value) in flags {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for pool in pools {
+            let labels = format_labels(&[("worker", &pool.worker), ("role", pool.role)]);
+            let _ = writeln!(out, "{name}{labels} {}", u8::from(value(pool)));
+        }
+    }
+    let name = "airlock_worker_failures_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Transport failures laid at a worker, by kind (link_lost, \
+         transfer_failed, transfer_timeout, peer_unavailable); a client's bad request is \
+         never one.\n# TYPE {name} counter"
+    );
+    for pool in pools {
+        for (fault, count) in crate::cluster::TransportFault::ALL
+            .iter()
+            .zip(pool.failures)
+        {
+            let labels = [
+                ("worker", &*pool.worker),
+                ("role", pool.role),
+                ("kind", fault.label()),
+            ];
+            let _ = writeln!(out, "{name}{} {count}", format_labels(&labels));
+        }
+    }
+}
+
 fn render_transfer(out: &mut String, pools: &[PoolGauges]) {
     let name = "airlock_transfer_bytes_total";
     let _ = writeln!(
@@ -592,8 +670,9 @@ airlock_workers_refused_total{reason=\"auth\"} 1
         assert!(page.starts_with(expected), "{page}");
     }
 
-    /// Finished requests' tokens and durations, the running and waiting gauges, and each
-    /// worker's KV usage ratio, as /metrics writes them.
+    /// Finished requests' tokens and durations, queue times, the running and waiting gauges,
+    /// and each worker's KV usage ratio, draining flag, breaker and failures, as /metrics
+    /// writes them.
     #[test]
     fn tokens_durations_running_and_kv_usage_render() {
         let metrics = Metrics::new();
@@ -612,7 +691,11 @@ airlock_workers_refused_total{reason=\"auth\"} 1
             auth_failures: 0,
             prefix: Default::default(),
             transfer: Default::default(),
+            draining: true,
+            breaker_open: false,
+            failures: [3, 1, 0, 2],
         };
+        metrics.observe_queue(0.02);
         let gauges = RouterGauges {
             waiting: 2,
             in_flight: 5,
@@ -628,6 +711,12 @@ airlock_workers_refused_total{reason=\"auth\"} 1
             "airlock_request_duration_seconds_bucket{le=\"0.5\"} 1",
             "airlock_request_duration_seconds_bucket{le=\"2.5\"} 2",
             "airlock_request_duration_seconds_count 2",
+            "airlock_queue_seconds_bucket{le=\"0.01\"} 0",
+            "airlock_queue_seconds_bucket{le=\"0.05\"} 1",
+            "airlock_worker_draining{worker=\"d\",role=\"decode\"} 1",
+            "airlock_worker_breaker_open{worker=\"d\",role=\"decode\"} 0",
+            "airlock_worker_failures_total{worker=\"d\",role=\"decode\",kind=\"link_lost\"} 3",
+            "airlock_worker_failures_total{worker=\"d\",role=\"decode\",kind=\"peer_unavailable\"} 2",
         ] {
             assert!(
                 page.lines().any(|l| l == line),

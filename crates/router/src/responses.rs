@@ -582,6 +582,8 @@ impl ModelList {
 pub enum Readiness {
     Ok,
     Degraded,
+    /// The router is shutting down: it finishes what it has and wants nothing new.
+    Draining,
 }
 
 /// `/health/live` and `/health/ready`, and `/health` for a caller without a valid key.
@@ -609,6 +611,8 @@ pub struct WorkerView {
     pub address: String,
     pub capacity_tokens: Option<u64>,
     pub context_length: Option<u32>,
+    /// The worker reported that it is shutting down: it is not given new requests.
+    pub draining: bool,
     pub kv_bytes: Option<u64>,
     pub name: Option<String>,
     pub page_size_tokens: Option<u32>,

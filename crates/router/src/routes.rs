@@ -264,6 +264,7 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>, headers: HeaderMa
                 address: client.addr.clone(),
                 capacity_tokens: info.as_ref().map(|i| i.capacity_tokens),
                 context_length: info.as_ref().map(|i| i.context_length),
+                draining: client.is_draining(),
                 kv_bytes: info.as_ref().map(|i| i.kv_bytes),
                 name: info.as_ref().map(|i| i.name.clone()),
                 page_size_tokens: info.as_ref().map(|i| i.page_size_tokens),
@@ -285,7 +286,9 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>, headers: HeaderMa
 
 /// 200 "ok" when every worker is linked, else 503 "degraded".
 fn readiness(state: &AppState) -> (StatusCode, Readiness) {
-    if state.cluster.clients.iter().all(|c| c.is_up()) {
+    if state.draining.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, Readiness::Draining)
+    } else if state.cluster.clients.iter().all(|c| c.is_up()) {
         (StatusCode::OK, Readiness::Ok)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, Readiness::Degraded)
@@ -293,16 +296,19 @@ fn readiness(state: &AppState) -> (StatusCode, Readiness) {
 }
 
 /// 200 "ok" when a request can be served end to end: a unified worker is linked, or a
-/// prefill and a decode worker both are; else 503 "degraded".
+/// prefill and a decode worker both are (draining ones do not count); else 503 "degraded",
+/// or 503 "draining" once the router itself is stopping.
 fn can_serve(state: &AppState) -> (StatusCode, Readiness) {
     let up = |role| {
         state
             .cluster
             .clients
             .iter()
-            .any(|c| c.role == role && c.is_up())
+            .any(|c| c.role == role && c.is_up() && !c.is_draining())
     };
-    if up(Role::Unified) || (up(Role::Prefill) && up(Role::Decode)) {
+    if state.draining.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, Readiness::Draining)
+    } else if up(Role::Unified) || (up(Role::Prefill) && up(Role::Decode)) {
         (StatusCode::OK, Readiness::Ok)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, Readiness::Degraded)

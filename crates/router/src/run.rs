@@ -6,8 +6,13 @@
 //! drop sends an abort to every worker the request touched (I7): the workers end it through
 //! the protocol. A run is counted in `airlock_requests_total` exactly once: when it ends, or
 //! as `cancelled` when it is dropped before.
+//!
+//! A try that fails on a worker's transport (a lost link, a failed transfer, a worker that is
+//! shutting down) before any of the answer was sent is tried again on other workers, under a
+//! fresh request id and so a fresh transfer id; the failed try is aborted on the workers that
+//! still hold it. The failure is laid at the worker that caused it (`Cluster`'s breaker).
 
-use crate::cluster::{role_name, WorkerClient};
+use crate::cluster::{role_name, TransportFault, WorkerClient};
 use crate::error::ApiError;
 use crate::metrics::{Counter, RequestOutcome, TransferOutcome};
 use crate::openai::{Endpoint, Job};
@@ -23,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::OwnedSemaphorePermit;
-use transfer::{Finish, Frame, Plan, Role, Submit, TokenLogprob, TransferId};
+use transfer::{Failure, Finish, Frame, Plan, Role, Submit, TokenLogprob, TransferId};
 
 /// One request in flight. Dropping it before it ended aborts it on every worker it reached.
 pub(crate) struct Run {
@@ -46,7 +51,11 @@ pub(crate) struct Run {
     /// text frames that arrive before are kept in `early`, in order.
     echo_pending: bool,
     early: VecDeque<(Role, Frame)>,
-    _permit: TenantPermit,
+    /// Tries left after this one.
+    retries_left: u32,
+    /// Workers an earlier try failed on: picked again only when no other can take it.
+    avoid: Vec<Arc<WorkerClient>>,
+    permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -86,6 +95,12 @@ type PendingPrefill = (
     Box<Frame>,
 );
 
+/// A step, or a worker's failure not yet turned into the client's error (it may be retried).
+enum Advance {
+    Step(Step),
+    Failed(Role, Failure, String),
+}
+
 /// What the request's frames amount to, one at a time.
 pub(crate) enum Step {
     Text(Said),
@@ -111,16 +126,41 @@ impl Run {
         permit: TenantPermit,
         slot: OwnedSemaphorePermit,
     ) -> Result<Run, ApiError> {
+        let echo_pending = job.echo;
+        let mut run = Run {
+            retries_left: state.config.retries,
+            state,
+            id: RequestId(0),
+            job,
+            workers: Vec::new(),
+            rx: unbounded_channel().1,
+            arrived: Instant::now(),
+            // Until the first try is sent: nothing to abort, nothing counted.
+            phase: Phase::Ended(Ending::Failed),
+            cached_tokens: 0,
+            prompt_scores: Vec::new(),
+            prompt_scored: 0,
+            held_finish: None,
+            echo_pending,
+            early: VecDeque::new(),
+            avoid: Vec::new(),
+            permit,
+            _slot: slot,
+        };
+        run.dispatch()?;
+        Ok(run)
+    }
+
+    /// Sends one try of the request under a fresh request id (and so a fresh transfer id),
+    /// to workers picked afresh, with everything a try collects reset.
+    fn dispatch(&mut self) -> Result<(), ApiError> {
+        let state = self.state.clone();
+        let job = &self.job;
         let id = RequestId(state.next_request.fetch_add(1, Ordering::Relaxed));
         let (tx, rx) = unbounded_channel();
-        let tenant = permit.tenant().id;
-        let prefix_cache = uses_prefix_cache(&state, &permit, &job)
+        let tenant = self.permit.tenant().id;
+        let prefix_cache = uses_prefix_cache(&state, &self.permit, job)
             .then(|| cache_partition(job.cache_salt.as_deref()));
-        let prompt_scores = if job.sampling.prompt_logprobs {
-            job.prompt.len() - 1
-        } else {
-            0
-        };
         let submit = |plan| {
             Frame::Submit(Submit {
                 request: id,
@@ -137,23 +177,21 @@ impl Run {
         let no_worker = |role| ApiError::NoWorkers {
             message: format!("no {} worker is available; retry shortly", role_name(role)),
         };
-        let (workers, phase) = if state.cluster.has_role(Role::Unified) {
-            let worker = state
-                .cluster
-                .pick(Role::Unified)
+        let cluster = &state.cluster;
+        let (workers, phase) = if cluster.has_role(Role::Unified) {
+            let worker = cluster
+                .pick(Role::Unified, &self.avoid)
                 .ok_or(no_worker(Role::Unified))?;
             if !worker.submit(id, tx, submit(Plan::Unified)) {
                 return Err(no_worker(Role::Unified));
             }
             (vec![worker], Phase::Prefilling)
         } else {
-            let decode = state
-                .cluster
-                .pick(Role::Decode)
+            let decode = cluster
+                .pick(Role::Decode, &self.avoid)
                 .ok_or(no_worker(Role::Decode))?;
-            let prefill = state
-                .cluster
-                .pick(Role::Prefill)
+            let prefill = cluster
+                .pick(Role::Prefill, &self.avoid)
                 .ok_or(no_worker(Role::Prefill))?;
             let transfer = TransferId(state.transfer_salt | id.0);
             if !decode.submit(id, tx.clone(), submit(Plan::Decode { transfer })) {
@@ -169,25 +207,83 @@ impl Run {
             let prefill = (prefill, tx, Box::new(prefill_submit));
             (vec![decode], Phase::Reserving { prefill })
         };
-        state.waiting.fetch_add(1, Ordering::Relaxed);
-        let job_echo = job.echo;
-        Ok(Run {
-            state,
-            id,
-            job,
-            workers,
-            rx,
-            arrived: Instant::now(),
-            phase,
-            cached_tokens: 0,
-            prompt_scores: vec![None; prompt_scores],
-            prompt_scored: 0,
-            held_finish: None,
-            echo_pending: job_echo,
-            early: VecDeque::new(),
-            _permit: permit,
-            _slot: slot,
-        })
+        let prompt_scores = match job.sampling.prompt_logprobs {
+            true => job.prompt.len() - 1,
+            false => 0,
+        };
+        self.id = id;
+        self.rx = rx;
+        self.workers = workers;
+        self.cached_tokens = 0;
+        self.prompt_scores = vec![None; prompt_scores];
+        self.prompt_scored = 0;
+        self.held_finish = None;
+        self.echo_pending = job.echo;
+        self.early.clear();
+        self.enter(phase);
+        Ok(())
+    }
+
+    /// A worker (`role`) failed this try: lays the failure at the worker that caused it, and
+    /// when it is one another worker may not have (a transport failure, a worker shutting
+    /// down or full) and a try is left, aborts this try and sends the request again.
+    /// Whether it was sent again. The caller makes sure nothing of the answer was sent.
+    fn retry_after(&mut self, role: Role, failure: Failure) -> bool {
+        let Some(reporter) = self.worker(role) else {
+            return false;
+        };
+        let fault = TransportFault::of(failure);
+        let culprit = match fault {
+            Some(fault) => self.lay_blame(&reporter, fault),
+            None if failure == Failure::Overloaded => reporter,
+            None => return false,
+        };
+        if self.retries_left == 0 {
+            return false;
+        }
+        self.retries_left -= 1;
+        let reason = fault.map_or("overloaded", TransportFault::label);
+        self.state.metrics.inc(Counter::Retries { reason });
+        tracing::info!(request = self.id.0, worker = %culprit.addr, reason, "trying the request on other workers");
+        self.avoid.push(culprit);
+        for worker in std::mem::take(&mut self.workers) {
+            worker.send(Frame::Abort { request: self.id });
+            worker.forget(self.id);
+        }
+        match self.dispatch() {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(
+                    request = self.id.0,
+                    error = error.code(),
+                    "no other worker to try"
+                );
+                false
+            }
+        }
+    }
+
+    /// Counts `fault`, reported by `reporter`, against the worker that caused it: the
+    /// reporter itself when its link broke (the cluster counted that already) or when it
+    /// works alone, else its peer in the transfer (a decode worker reports what its prefill
+    /// sent or failed to send, a prefill what its decode refused or could not take).
+    fn lay_blame(&self, reporter: &Arc<WorkerClient>, fault: TransportFault) -> Arc<WorkerClient> {
+        if !reporter.is_up() {
+            return reporter.clone();
+        }
+        let culprit = self
+            .workers
+            .iter()
+            .find(|w| !Arc::ptr_eq(w, reporter))
+            .unwrap_or(reporter)
+            .clone();
+        culprit.failed(fault);
+        culprit
+    }
+
+    /// The worker of `role` this try runs on.
+    fn worker(&self, role: Role) -> Option<Arc<WorkerClient>> {
+        self.workers.iter().find(|w| w.role == role).cloned()
     }
 
     pub(crate) fn include_usage(&self) -> bool {
@@ -225,7 +321,7 @@ impl Run {
     /// Waits until decode has sealed a verified transfer (or unified has prefilled): only
     /// then may a 200 go out.
     pub(crate) async fn wait_started(&mut self) -> Result<(), ApiError> {
-        let deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
+        let mut deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
         loop {
             let (role, frame) = match tokio::time::timeout_at(deadline, self.rx.recv()).await {
                 Ok(Some(received)) => received,
@@ -240,13 +336,28 @@ impl Run {
             };
             match frame {
                 Frame::Admitted { cached_pages, .. } if role == Role::Decode => {
-                    self.submit_prefill(cached_pages)?
+                    self.observe_queue();
+                    if !self.submit_prefill(cached_pages)
+                        && !self.retry_after(Role::Prefill, Failure::PeerUnavailable)
+                    {
+                        return Err(self.fail(ApiError::NoWorkers {
+                            message: "the prefill worker went away; retry".into(),
+                        }));
+                    }
                 }
-                Frame::Admitted { cached_tokens, .. } => self.cached_tokens = cached_tokens,
+                Frame::Admitted { cached_tokens, .. } => {
+                    if role == Role::Unified {
+                        self.observe_queue();
+                    }
+                    self.cached_tokens = cached_tokens
+                }
                 Frame::PromptLogprobs {
                     first, logprobs, ..
                 } => self.note_prompt_scores(first, logprobs),
                 Frame::Started { .. } => {
+                    for worker in &self.workers {
+                        worker.succeeded();
+                    }
                     let sealed = matches!(self.phase, Phase::Prefilling) && self.workers.len() == 2;
                     self.enter(Phase::Streaming { last_token: None });
                     if sealed {
@@ -262,6 +373,10 @@ impl Run {
                 } => {
                     let error = ApiError::from_failure(failure, message);
                     self.count_transfer_failure(&error);
+                    if self.retry_after(role, failure) {
+                        deadline = tokio::time::Instant::now() + self.state.config.start_timeout;
+                        continue;
+                    }
                     return Err(self.fail(error));
                 }
                 _ => {}
@@ -269,9 +384,17 @@ impl Run {
         }
     }
 
+    /// How long the request waited for its pages: from arrival to the reserving worker's
+    /// `Admitted`.
+    fn observe_queue(&self) {
+        let waited = self.arrived.elapsed().as_secs_f64();
+        self.state.metrics.observe_queue(waited);
+    }
+
     /// Decode has reserved the pages, the first `decode_holds_pages` from its own cache: now
-    /// prefill may start sending the others.
-    fn submit_prefill(&mut self, decode_holds_pages: u32) -> Result<(), ApiError> {
+    /// prefill may start sending the others. Whether prefill has it (`false`: its link is
+    /// gone, the try has failed on it).
+    fn submit_prefill(&mut self, decode_holds_pages: u32) -> bool {
         match std::mem::replace(&mut self.phase, Phase::Prefilling) {
             Phase::Reserving {
                 prefill: (prefill, tx, mut submit),
@@ -287,17 +410,16 @@ impl Run {
                 {
                     *holds = decode_holds_pages;
                 }
-                if !prefill.submit(self.id, tx, *submit) {
-                    return Err(self.fail(ApiError::NoWorkers {
-                        message: "the prefill worker went away; retry".into(),
-                    }));
-                }
-                self.workers.push(prefill);
+                // In the try's workers either way: a retry names it as the one that failed.
+                self.workers.push(prefill.clone());
+                prefill.submit(self.id, tx, *submit)
             }
             // A repeated or unified `Admitted`: nothing more to send.
-            other => self.phase = other,
+            other => {
+                self.phase = other;
+                true
+            }
         }
-        Ok(())
     }
 
     fn count_transfer_failure(&self, error: &ApiError) {
@@ -314,11 +436,14 @@ impl Run {
         }
     }
 
-    /// Moves to `next`, leaving the queue-depth gauge when the wait for `Started` is over.
+    /// Moves to `next`, in the queue-depth gauge while waiting for `Started` (a retry waits
+    /// again).
     fn enter(&mut self, next: Phase) {
-        if self.phase.is_waiting() && !next.is_waiting() {
-            self.state.waiting.fetch_sub(1, Ordering::Relaxed);
-        }
+        match (self.phase.is_waiting(), next.is_waiting()) {
+            (true, false) => self.state.waiting.fetch_sub(1, Ordering::Relaxed),
+            (false, true) => self.state.waiting.fetch_add(1, Ordering::Relaxed),
+            _ => 0,
+        };
         self.phase = next;
     }
 
@@ -334,13 +459,29 @@ impl Run {
 
     /// The next thing the client should hear.
     pub(crate) async fn next(&mut self) -> Step {
+        match self.advance().await {
+            Advance::Step(step) => step,
+            Advance::Failed(role, failure, message) => {
+                if let (Some(reporter), Some(fault)) =
+                    (self.worker(role), TransportFault::of(failure))
+                {
+                    self.lay_blame(&reporter, fault);
+                }
+                Step::Failed(self.fail(ApiError::from_failure(failure, message)))
+            }
+        }
+    }
+
+    /// The next step, or a worker's failure for the caller to retry or answer with.
+    async fn advance(&mut self) -> Advance {
+        let step = |step| Advance::Step(step);
         loop {
             if self.echo_pending && self.prompt_scored == self.prompt_scores.len() {
                 self.echo_pending = false;
-                return Step::Text(self.echo());
+                return step(Step::Text(self.echo()));
             }
             if let Some(finished) = self.finish_when_scored() {
-                return finished;
+                return step(finished);
             }
             let early = match self.echo_pending {
                 true => None,
@@ -353,13 +494,13 @@ impl Run {
                 let wait = self.state.config.start_timeout;
                 match tokio::time::timeout(wait, self.rx.recv()).await {
                     Ok(received) => received,
-                    Err(_) => return Step::Failed(self.fail(ApiError::Internal)),
+                    Err(_) => return step(Step::Failed(self.fail(ApiError::Internal))),
                 }
             } else {
                 self.rx.recv().await
             };
             let Some((role, frame)) = received else {
-                return Step::Failed(self.fail(ApiError::Internal));
+                return step(Step::Failed(self.fail(ApiError::Internal)));
             };
             if let (Role::Prefill, Frame::Admitted { cached_tokens, .. }) = (role, &frame) {
                 self.cached_tokens = *cached_tokens;
@@ -395,11 +536,11 @@ impl Run {
                         }
                     }
                     let scored = logprobs.into_iter().map(|e| self.scored(e)).collect();
-                    return Step::Text(Said {
+                    return step(Step::Text(Said {
                         text,
                         scored,
                         unscored_first: None,
-                    });
+                    }));
                 }
                 Frame::Finished {
                     finish,
@@ -409,10 +550,7 @@ impl Run {
                 } => self.held_finish = Some((finish, prompt_tokens, completion_tokens)),
                 Frame::Failed {
                     failure, message, ..
-                } => {
-                    let error = ApiError::from_failure(failure, message);
-                    return Step::Failed(self.fail(error));
-                }
+                } => return Advance::Failed(role, failure, message),
                 _ => {}
             }
         }
@@ -490,7 +628,22 @@ impl Run {
         let mut unscored_first = None;
         let (mut generated_logprob, mut generated) = (0.0, 0);
         loop {
-            match self.next().await {
+            let step = match self.advance().await {
+                Advance::Step(step) => step,
+                Advance::Failed(role, failure, message) => {
+                    if !self.retry_after(role, failure) {
+                        return Err(self.fail(ApiError::from_failure(failure, message)));
+                    }
+                    // Nothing was sent yet: another try starts the answer afresh.
+                    self.wait_started().await?;
+                    text.clear();
+                    scores.clear();
+                    unscored_first = None;
+                    (generated_logprob, generated) = (0.0, 0);
+                    continue;
+                }
+            };
+            match step {
                 Step::Text(said) => {
                     if said.unscored_first.is_none() {
                         generated_logprob += said

@@ -13,7 +13,7 @@ use axum::http::Method;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, MethodRouter};
 use gguf::{ChatTemplate, Tokenizer};
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 use tokio::sync::Semaphore;
@@ -43,6 +43,9 @@ pub struct RouterConfig {
     /// Whether workers may reuse cached prompt pages at all (each tenant's `prefix_cache`
     /// in the keys file can still turn it off for that tenant).
     pub prefix_cache: bool,
+    /// How many more times a request that failed on a worker's transport (lost link, failed
+    /// transfer) before anything of its answer was sent is tried on other workers.
+    pub retries: u32,
 }
 
 /// Everything the handlers share.
@@ -64,6 +67,9 @@ pub struct AppState {
     /// The OpenAPI document served at `/openapi.json`, with this deployment's model and
     /// limits in it; built once.
     pub(crate) openapi_json: String,
+    /// Set when the process is told to stop: readiness answers 503 `draining` from then on,
+    /// so a load balancer sends nothing new while the requests in progress finish.
+    pub draining: AtomicBool,
 }
 
 impl AppState {
@@ -96,6 +102,7 @@ impl AppState {
             waiting: AtomicUsize::new(0),
             next_request: AtomicU64::new(1),
             transfer_salt: salt << 32,
+            draining: AtomicBool::new(false),
         }
     }
 }

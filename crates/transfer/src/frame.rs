@@ -17,7 +17,8 @@ use kv::{Partition, RequestId, TenantId};
 /// Version 6: `Sampling` carries min-p, the penalties, the logit bias and the log-probabilities
 /// asked for; `Text` carries its tokens' log-probabilities instead of a token count;
 /// `PromptLogprobs`; `Sampling::constraint`.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// Version 7: `PoolStats::draining`.
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -463,6 +464,8 @@ pub enum Frame {
         prefix: PrefixCounters,
         /// Boxed: its histogram would double the size of every frame.
         transfer: Box<PerTransport>,
+        /// The worker is shutting down: it finishes what it has and takes nothing new.
+        draining: bool,
     },
     // Prefill -> decode.
     Page {
@@ -764,6 +767,7 @@ impl Frame {
                 auth_failures,
                 prefix,
                 transfer,
+                draining,
             } => {
                 w.u32(*pages_free);
                 w.u32(*pages_total);
@@ -797,6 +801,7 @@ impl Frame {
                         w.u64(bucket);
                     }
                 }
+                w.u8(u8::from(*draining));
             }
             Frame::Page {
                 transfer,
@@ -949,6 +954,16 @@ impl Frame {
                         };
                     }
                     per_transport
+                },
+                draining: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    value => {
+                        return Err(DecodeError::UnknownEnum {
+                            field: "draining",
+                            value,
+                        })
+                    }
                 },
             },
             FrameKind::Page => {

@@ -158,6 +158,7 @@ fn sample_frames() -> Vec<Frame> {
                 micros_sum: 18,
                 buckets: std::array::from_fn(|i| 19 + i as u64),
             })),
+            draining: true,
         },
         Frame::Page {
             transfer: TransferId(99),

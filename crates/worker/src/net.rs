@@ -83,6 +83,19 @@ impl Drop for Worker {
     }
 }
 
+impl Worker {
+    /// Drains the worker: it refuses new requests (a router retries them elsewhere, and stops
+    /// picking this worker once its pool report says it drains), finishes the ones it holds,
+    /// and returns `true` once none is left, or `false` when `deadline` passes first.
+    pub async fn drain(&self, deadline: Duration) -> bool {
+        let (idle, drained) = tokio::sync::oneshot::channel();
+        if self.events.send(Event::Drain { idle }).is_err() {
+            return true;
+        }
+        matches!(tokio::time::timeout(deadline, drained).await, Ok(Ok(())))
+    }
+}
+
 /// How long opening a link to a decode worker may take, handshake included.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -78,6 +78,9 @@ pub struct Options {
     pub kv_transport: KvTransport,
     /// The GGUF the workers serve (`cli::model_path`'s unless a test picks another).
     pub model: PathBuf,
+    /// The router's retries after a transport failure (0: each failure is the answer, as
+    /// the fault tests expect; `serve` retries twice).
+    pub retries: u32,
 }
 
 /// `serve --kv-transport`: frames over TCP, or one-sided writes into decode's pool through
@@ -121,6 +124,7 @@ impl Options {
             // What `serve` uses by default.
             kv_transport: KvTransport::Shm,
             model: PathBuf::from(model_path()),
+            retries: 0,
         }
     }
 }
@@ -377,6 +381,7 @@ pub fn start(options: Options) -> TestServer {
             body_timeout: options.body_timeout,
             cors_allow_origins: options.cors_allow_origins.clone(),
             prefix_cache: options.prefix_cache,
+            retries: options.retries,
         };
         let state = Arc::new(AppState::new(
             config,

@@ -6,6 +6,7 @@ mod architectures;
 mod canary;
 mod cli;
 mod cluster;
+mod deploy;
 mod edge;
 mod fuzz;
 mod harness;

@@ -632,3 +632,284 @@ fn json_logs_are_one_object_per_line() {
         }
     }
 }
+
+/// Sends SIGTERM to `process` (how Kubernetes stops a pod).
+fn terminate(process: &Process) {
+    let status = Command::new("sh")
+        .args(["-c", &format!("kill -TERM {}", process.child.id())])
+        .status()
+        .expect("sh runs");
+    assert!(status.success(), "kill -TERM {}", process.name);
+}
+
+/// Waits (bounded) for `process` to exit by itself; its exit status.
+fn wait_exit(process: &mut Process, within: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(status) = process.child.try_wait().expect("try_wait") {
+            return status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} still running after {within:?}",
+            process.name
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The router's `/health` workers: (address, up, draining).
+async fn workers_health(url: &str) -> Vec<(String, bool, bool)> {
+    let health: serde_json::Value = crate::harness::client()
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .expect("health")
+        .json()
+        .await
+        .expect("health JSON");
+    health["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .map(|w| {
+            let address = w["address"].as_str().unwrap_or_default().to_string();
+            (address, w["up"] == true, w["draining"] == true)
+        })
+        .collect()
+}
+
+/// Waits (bounded) until the router has every worker linked and none draining.
+async fn wait_all_linked(url: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let workers = workers_health(url).await;
+        if workers.iter().all(|(_, up, draining)| *up && !*draining) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not every worker linked: {workers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 28's acceptance, scaled to a 2-core machine: a router in front of 2 prefill and 2
+/// decode workers, each its own process. Under 16 concurrent requests (12 whole, 4 streamed)
+/// one decode worker is killed (SIGKILL) and one prefill is stopped (SIGTERM). Every whole
+/// answer is a complete 200 with the text the same prompt gets alone (the ones that were on
+/// the killed worker were retried on a survivor); every stream is complete or ends with an
+/// `error` event and no `[DONE]`; the stopped prefill drains and exits 0; later requests
+/// succeed; restarted workers rejoin; every pool is back to baseline.
+#[test]
+fn two_by_two_workers_ride_out_a_killed_decode_and_a_drained_prefill() {
+    let answers = kill_one_decode_and_stop_one_prefill_under_load("2");
+    for (i, (status, text)) in answers.iter().enumerate().skip(12) {
+        assert_eq!(*status, 200, "a stream starts only once it can run: {text}");
+        let complete = text.contains("[DONE]") && text.contains("\"finish_reason\":\"length\"");
+        let failed = text.contains("event: error") && !text.contains("[DONE]");
+        assert!(
+            complete ^ failed,
+            "stream {i} neither complete nor cleanly failed: {text}"
+        );
+    }
+}
+
+/// The canary of the test above: with the router's retries off, whole answers that were on
+/// the killed decode worker get 503 (what every one of them got before retries).
+#[test]
+fn without_retries_a_killed_decode_fails_its_whole_answers() {
+    let answers = kill_one_decode_and_stop_one_prefill_under_load("0");
+    let failed = answers[..12]
+        .iter()
+        .filter(|(status, _)| *status == 503)
+        .count();
+    assert!(failed >= 1, "{answers:?}");
+}
+
+/// The run behind both tests above, with the router's `--retries`: every check that holds
+/// either way is made here; the whole answers come back as (status, body).
+fn kill_one_decode_and_stop_one_prefill_under_load(retries: &str) -> Vec<(u16, String)> {
+    let (decode_a, decode_a_addr) = start_worker("decode", "0");
+    let (_decode_b, decode_b_addr) = start_worker("decode", "0");
+    let (mut prefill_a, prefill_a_addr) = start_worker("prefill", "0");
+    let (_prefill_b, prefill_b_addr) = start_worker("prefill", "0");
+    let prefills = format!("{prefill_a_addr},{prefill_b_addr}");
+    let decodes = format!("{decode_a_addr},{decode_b_addr}");
+    let (_router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &prefills,
+            "--decode",
+            &decodes,
+            "--retries",
+            retries,
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    const MAX_TOKENS: usize = 24;
+    let prompts: Vec<String> = (0..16)
+        .map(|i| format!("Note {i}: the colours of the rainbow, in order, are"))
+        .collect();
+    let body = |prompt: &str, stream: bool| {
+        serde_json::json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": true, "stream": stream,
+        })
+    };
+    let references: Vec<String> = runtime().block_on(async {
+        wait_all_linked(&url).await;
+        let mut references = Vec::new();
+        for prompt in &prompts[..12] {
+            let answer = post(&url, "/v1/completions", body(prompt, false)).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            references.push(answer.json()["choices"][0]["text"].as_str().unwrap().into());
+        }
+        references
+    });
+    let load: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let (url, request) = (url.clone(), body(prompt, i >= 12));
+            runtime().spawn(async move {
+                let answer = crate::harness::client()
+                    .post(format!("{url}/v1/completions"))
+                    .json(&request)
+                    .send()
+                    .await
+                    .expect("sent");
+                let status = answer.status().as_u16();
+                (status, answer.text().await.unwrap_or_default())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1200));
+    drop(decode_a);
+    terminate(&prefill_a);
+    let answers: Vec<(u16, String)> = runtime().block_on(async {
+        let mut answers = Vec::new();
+        for task in load {
+            let answer = tokio::time::timeout(Duration::from_secs(120), task)
+                .await
+                .expect("every request ends")
+                .expect("task");
+            answers.push(answer);
+        }
+        answers
+    });
+    // Never a wrong 200: a whole answer is the prompt's own text, complete, or an error.
+    for (i, (status, text)) in answers[..12].iter().enumerate() {
+        let json: serde_json::Value = serde_json::from_str(text).expect("JSON");
+        match status {
+            200 => {
+                assert_eq!(
+                    json["choices"][0]["text"], references[i],
+                    "answer {i}: {text}"
+                );
+                assert_eq!(json["usage"]["completion_tokens"], MAX_TOKENS, "{text}");
+            }
+            503 => assert!(json["error"]["code"].is_string(), "{text}"),
+            _ => panic!("whole answer {i}: {status} {text}"),
+        }
+    }
+    if retries != "0" {
+        for (i, (status, text)) in answers[..12].iter().enumerate() {
+            assert_eq!(*status, 200, "whole answer {i} was retried: {text}");
+        }
+    }
+    let retries_on = retries != "0";
+    let status = wait_exit(&mut prefill_a, Duration::from_secs(60));
+    assert!(status.success(), "a drained prefill exits 0: {status}");
+    runtime().block_on(async {
+        let page = crate::harness::metrics(&url).await;
+        let retried: f64 = crate::harness::samples(&page, "airlock_request_retries_total")
+            .iter()
+            .map(|s| s.1)
+            .sum();
+        assert_eq!(
+            retried >= 1.0,
+            retries_on,
+            "the killed decode's requests were retried: {page}"
+        );
+        for prompt in &prompts[..4] {
+            let answer = post(&url, "/v1/completions", body(prompt, false)).await;
+            assert_eq!(
+                answer.status, 200,
+                "served by the survivors: {}",
+                answer.body
+            );
+        }
+    });
+    let port = |addr: &str| addr.rsplit(':').next().expect("port").to_string();
+    let (_decode_a, _) = start_worker("decode", &port(&decode_a_addr));
+    let (_prefill_a, _) = start_worker("prefill", &port(&prefill_a_addr));
+    runtime().block_on(async {
+        wait_all_linked(&url).await;
+        for prompt in &prompts[..4] {
+            let answer = post(&url, "/v1/completions", body(prompt, false)).await;
+            assert_eq!(answer.status, 200, "{}", answer.body);
+        }
+        let (idle, page) = crate::harness::wait_idle(&url).await;
+        assert!(idle, "{page}");
+    });
+    answers
+}
+
+/// SIGTERM to a router: readiness answers 503 `draining` at once (during `--drain-delay-ms`
+/// the port stays open for the probe), the request in progress still completes with 200,
+/// and the process exits 0.
+#[test]
+fn a_router_told_to_stop_turns_unready_finishes_its_requests_and_exits() {
+    let (_decode, decode_addr) = start_worker("decode", "0");
+    let (_prefill, prefill_addr) = start_worker("prefill", "0");
+    let (mut router, url) = spawn(
+        "router",
+        &[
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &prefill_addr,
+            "--decode",
+            &decode_addr,
+            "--drain-delay-ms",
+            "3000",
+        ],
+        " at ",
+    );
+    let url = base_url(&url);
+    runtime().block_on(wait_all_linked(&url));
+    let request = {
+        let url = url.clone();
+        runtime().spawn(async move {
+            let body = serde_json::json!({
+                "model": MODEL, "prompt": "Count to ten:", "max_tokens": 64,
+                "temperature": 0, "ignore_eos": true,
+            });
+            post(&url, "/v1/completions", body).await
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    terminate(&router);
+    runtime().block_on(async {
+        let ready = crate::harness::client()
+            .get(format!("{url}/health/ready"))
+            .send()
+            .await
+            .expect("the port is open during the drain delay");
+        assert_eq!(ready.status().as_u16(), 503);
+        assert_eq!(ready.text().await.unwrap(), r#"{"status":"draining"}"#);
+        let answer = request.await.expect("task");
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        assert_eq!(answer.json()["usage"]["completion_tokens"], 64);
+    });
+    let status = wait_exit(&mut router, Duration::from_secs(30));
+    assert!(status.success(), "{status}");
+}

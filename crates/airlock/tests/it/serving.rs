@@ -810,3 +810,41 @@ fn metrics_count_tokens_and_durations_as_requests_finish() {
         assert!(ratios.iter().all(|(_, r)| *r == 0.0), "{after}");
     });
 }
+
+/// A burst of requests the client got wrong (400: over the context, a bad field, an unknown
+/// model) lays no failure at any worker and opens no breaker: the workers stay in rotation
+/// and the next good request is served.
+#[test]
+fn a_burst_of_bad_requests_never_marks_a_worker_unhealthy() {
+    let server = start(Options::new(Mode::Disaggregated));
+    runtime().block_on(async {
+        let url = &server.url;
+        let too_long = "word ".repeat(5000);
+        for i in 0..30 {
+            let body = match i % 3 {
+                0 => completion(&too_long, 16),
+                1 => json!({"model": MODEL, "prompt": "Hi", "max_tokens": -1}),
+                _ => json!({"model": "no-such-model", "prompt": "Hi"}),
+            };
+            let answer = post(url, "/v1/completions", body).await;
+            assert!(
+                (400..500).contains(&answer.status),
+                "{}: {}",
+                answer.status,
+                answer.body
+            );
+        }
+        let page = crate::harness::metrics(url).await;
+        let sum = |name| -> f64 {
+            crate::harness::samples(&page, name)
+                .iter()
+                .map(|s| s.1)
+                .sum()
+        };
+        assert_eq!(sum("airlock_worker_failures_total"), 0.0, "{page}");
+        assert_eq!(sum("airlock_worker_breaker_open"), 0.0, "{page}");
+        assert_eq!(sum("airlock_worker_up"), 2.0, "{page}");
+        let answer = post(url, "/v1/completions", completion("Hello", 4)).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    });
+}

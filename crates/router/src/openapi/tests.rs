@@ -15,6 +15,7 @@ fn config() -> RouterConfig {
         body_timeout: Duration::from_secs(1),
         cors_allow_origins: Vec::new(),
         prefix_cache: true,
+        retries: 2,
     }
 }
 

@@ -33,6 +33,14 @@ impl Engine {
             self.send(link, failed(submit.request, Failure::BadRequest, message));
             return;
         }
+        if self.is_draining() {
+            let message = format!(
+                "worker {} is shutting down; retry on another worker",
+                self.config.name
+            );
+            self.send(link, failed(submit.request, Failure::Overloaded, message));
+            return;
+        }
         if self.queue.len() >= self.config.queue_max {
             let message = format!(
                 "worker {} has {} requests waiting for KV pages; retry later",

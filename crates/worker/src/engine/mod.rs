@@ -99,6 +99,12 @@ pub enum Event {
     },
     /// A peer failed cluster authentication (counted, exported).
     AuthFailure,
+    /// Stop taking new requests (each is refused as `Overloaded`, which a router retries on
+    /// another worker), tell the routers, finish the rest, and say so on `idle` once nothing
+    /// is left.
+    Drain {
+        idle: tokio::sync::oneshot::Sender<()>,
+    },
     Shutdown,
 }
 
@@ -206,6 +212,7 @@ struct Stats {
     auth_failures: u64,
     prefix: PrefixCounters,
     transfer: PerTransport,
+    draining: bool,
 }
 
 /// The worker's state; see the module docs.
@@ -237,6 +244,12 @@ pub struct Engine {
     last_stats: Option<Stats>,
     /// The model's tokens for the grammar engine, built on its own thread at start.
     vocabulary: constrain::GrammarVocabulary,
+    /// Set by `Event::Drain`: whom to tell once no request is left (taken when told).
+    drain: Option<Drain>,
+}
+
+struct Drain {
+    idle: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 /// How long an idle engine sleeps between timeout checks.
@@ -278,6 +291,7 @@ impl Engine {
             auth_failures: 0,
             last_stats: None,
             vocabulary,
+            drain: None,
         }
     }
 
@@ -339,6 +353,25 @@ impl Engine {
         self.expire(now());
         self.step();
         self.publish_stats();
+        self.tell_when_drained();
+    }
+
+    /// A draining engine with no request left (nothing running, queued, sending or
+    /// receiving) says so, once.
+    fn tell_when_drained(&mut self) {
+        let Some(drain) = &mut self.drain else {
+            return;
+        };
+        if self.requests.is_empty() && self.inbound.is_empty() && self.outbound.is_empty() {
+            if let Some(idle) = drain.idle.take() {
+                tracing::info!(worker = %self.config.name, "drained: no request left");
+                let _ = idle.send(());
+            }
+        }
+    }
+
+    pub(super) fn is_draining(&self) -> bool {
+        self.drain.is_some()
     }
 
     fn has_runnable_work(&self) -> bool {
@@ -378,6 +411,14 @@ impl Engine {
                 reject,
             } => self.page_refused(link, transfer, reject),
             Event::AuthFailure => self.auth_failures += 1,
+            Event::Drain { idle } => {
+                tracing::info!(
+                    worker = %self.config.name,
+                    requests = self.requests.len(),
+                    "draining: finishing the requests held, refusing new ones"
+                );
+                self.drain = Some(Drain { idle: Some(idle) });
+            }
             Event::Shutdown => {}
         }
     }
@@ -466,6 +507,7 @@ impl Engine {
                 pages_not_sent: self.pages_not_sent,
             },
             transfer: self.transfer_counters,
+            draining: self.drain.is_some(),
         };
         if self.last_stats == Some(stats) {
             return;
@@ -481,6 +523,7 @@ impl Engine {
             auth_failures: stats.auth_failures,
             prefix: stats.prefix,
             transfer: Box::new(stats.transfer),
+            draining: stats.draining,
         };
         for entry in self.links.values() {
             if entry.kind == LinkKind::Router {

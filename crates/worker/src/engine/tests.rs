@@ -708,3 +708,48 @@ fn only_the_slots_past_the_transfer_are_blanked() {
     blank_unwritten_slots(&mut full, &layout, 8);
     assert!(full.iter().all(|&b| b == 0xAA));
 }
+
+/// A draining worker finishes the request it holds, refuses a new one as `Overloaded` (a
+/// router retries that elsewhere), says so in its pool report, and reports idle only once
+/// the held request has ended and its pages are back.
+#[test]
+fn a_draining_worker_finishes_what_it_holds_and_refuses_new_requests() {
+    let (mut unified, mut router) = Worker::new(Role::Unified, 32);
+    unified.frame(
+        ROUTER,
+        Frame::Submit(submit(1, &PROMPT, MAX_TOKENS, Plan::Unified)),
+    );
+    unified.turn();
+    let (idle, mut drained) = tokio::sync::oneshot::channel();
+    unified.send(Event::Drain { idle });
+    unified.frame(
+        ROUTER,
+        Frame::Submit(submit(2, &PROMPT, MAX_TOKENS, Plan::Unified)),
+    );
+    unified.turn();
+    assert!(drained.try_recv().is_err(), "request 1 still runs");
+    let mut reports_draining = false;
+    let mut frames = Vec::new();
+    while let Ok(frame) = router.rx.try_recv() {
+        match frame {
+            Frame::PoolStats { draining, .. } => reports_draining |= draining,
+            frame => frames.push(frame),
+        }
+    }
+    assert!(reports_draining, "the routers hear it drains");
+    unified.settle();
+    frames.extend(router.frames());
+    let refused = frames
+        .iter()
+        .find(|f| matches!(f, Frame::Failed { request, .. } if *request == RequestId(2)))
+        .expect("request 2 refused");
+    assert_eq!(failure_of(refused), Failure::Overloaded);
+    let (text, _) = answer(&frames);
+    assert_eq!(
+        text,
+        expected_text(&PROMPT, MAX_TOKENS),
+        "request 1 completed"
+    );
+    assert_eq!(drained.try_recv(), Ok(()), "idle once request 1 ended");
+    unified.assert_idle();
+}
