@@ -114,6 +114,11 @@ pub struct CommonArgs {
     /// a worker tells its routers it drains (they stop sending it requests) and takes none
     #[arg(long, env = "AIRLOCK_DRAIN_TIMEOUT_MS", default_value_t = 30_000)]
     pub drain_timeout_ms: u64,
+    /// Export OpenTelemetry traces to this OTLP/HTTP collector (http://HOST:PORT; spans are
+    /// posted as JSON to /v1/traces): one trace per request, with the router's span and each
+    /// worker's as its children. Off when not given
+    #[arg(long, env = "AIRLOCK_OTLP_ENDPOINT", value_parser = otlp::Endpoint::parse)]
+    pub otlp_endpoint: Option<otlp::Endpoint>,
     /// On SIGTERM or Ctrl-C, how long the router keeps taking connections while readiness
     /// already answers 503 `draining`, so a load balancer notices before the port closes
     #[arg(long, env = "AIRLOCK_DRAIN_DELAY_MS", default_value_t = 0)]
@@ -258,17 +263,24 @@ pub enum KvTransport {
 pub struct RouterArgs {
     #[command(flatten)]
     common: CommonArgs,
-    /// Address (host:port) of a prefill worker; repeatable
+    /// Address of a prefill worker: host:port (the host is resolved at every connect), or
+    /// dns:NAME:PORT for every address NAME resolves to, looked up again every
+    /// --dns-interval-ms (a Kubernetes headless Service); repeatable
     #[arg(long, env = "AIRLOCK_PREFILL", value_delimiter = ',')]
     prefill: Vec<String>,
-    /// Address of a decode worker: host:port, or unix:PATH for one on this host started with
-    /// --kv-socket PATH (its prefill workers then write KV pages through shared memory);
-    /// repeatable
+    /// Address of a decode worker: host:port, dns:NAME:PORT (as for --prefill), or unix:PATH
+    /// for one on this host started with --kv-socket PATH (its prefill workers then write KV
+    /// pages through shared memory); repeatable
     #[arg(long, env = "AIRLOCK_DECODE", value_delimiter = ',')]
     decode: Vec<String>,
-    /// Address (host:port) of a unified worker; repeatable (instead of prefill + decode)
+    /// Address (host:port or dns:NAME:PORT) of a unified worker; repeatable (instead of
+    /// prefill + decode)
     #[arg(long, env = "AIRLOCK_UNIFIED_WORKER", value_delimiter = ',')]
     unified: Vec<String>,
+    /// How often dns:NAME:PORT addresses are looked up again: workers at new addresses are
+    /// linked, those no longer listed get nothing new and leave once their link closes
+    #[arg(long, env = "AIRLOCK_DNS_INTERVAL_MS", default_value_t = 5_000)]
+    dns_interval_ms: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -541,6 +553,8 @@ fn load_worker(
         weights = model.weight_report().lines().join(", "),
         "worker loaded"
     );
+    let service = format!("airlock-{}", router::cluster::role_name(role));
+    let tracer = tracer(args, &service, &name);
     let config = WorkerConfig {
         role,
         name,
@@ -553,6 +567,7 @@ fn load_worker(
         step_tokens: args.step_tokens.max(1),
         max_batch: args.max_batch.max(1),
         faults,
+        tracer,
     };
     Ok((config, model, loaded.tokenizer, pool))
 }
@@ -638,15 +653,21 @@ async fn run_router(
     port: u16,
     context_length: Option<u64>,
     secret: ClusterSecret,
+    dns_interval: Duration,
 ) -> Result<()> {
     let tenants = tenants(args)?;
     let metrics = Arc::new(Metrics::new());
-    let cluster = Cluster::connect(
+    let dns = router::discovery::Dns {
+        resolver: Arc::new(router::discovery::SystemResolver),
+        interval: dns_interval,
+    };
+    let cluster = Cluster::connect_with_dns(
         workers,
         file.expectation(args, context_length),
         secret,
         Arc::new(Net),
         metrics.clone(),
+        dns,
     );
     let listener = bind(&args.host, port).await?;
     let address = listener.local_addr()?;
@@ -666,14 +687,16 @@ async fn run_router(
         retries: args.retries,
     };
     let open = tenants.is_open();
-    let state = Arc::new(AppState::new(
+    let mut state = AppState::new(
         config,
         tenants,
         cluster,
         metrics.clone(),
         file.tokenizer,
         file.chat_template,
-    ));
+    );
+    state.tracer = tracer(args, "airlock-router", &address.to_string());
+    let state = Arc::new(state);
     if !state.cluster.wait_ready(Duration::from_secs(30)).await {
         tracing::warn!("not every worker is linked yet; serving anyway (see /health)");
     }
@@ -697,6 +720,18 @@ async fn run_router(
         .context("HTTP server")?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The span exporter `--otlp-endpoint` asks for (as `service`, this process being
+/// `instance`), or one that records nothing. Call inside the runtime.
+fn tracer(args: &CommonArgs, service: &str, instance: &str) -> otlp::Tracer {
+    match &args.otlp_endpoint {
+        Some(endpoint) => {
+            tracing::info!(?endpoint, service, "exporting traces over OTLP/HTTP");
+            otlp::Tracer::start(endpoint.clone(), service, instance)
+        }
+        None => otlp::Tracer::off(),
+    }
 }
 
 /// Waits for SIGTERM (how Kubernetes and systemd stop a process) or Ctrl-C, and names it.
@@ -809,7 +844,17 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
         let context_length = u64::from(decode.info.context_length);
         let workers = vec![(prefill_addr, Role::Prefill), (decode_addr, Role::Decode)];
         let port = args.port.unwrap_or(8080);
-        run_router(&args, file, workers, port, Some(context_length), secret).await
+        let dns = router::cluster::DNS_INTERVAL;
+        run_router(
+            &args,
+            file,
+            workers,
+            port,
+            Some(context_length),
+            secret,
+            dns,
+        )
+        .await
     })
 }
 
@@ -830,6 +875,10 @@ pub fn router(args: RouterArgs) -> Result<()> {
     if disaggregated && !args.unified.is_empty() {
         bail!("give either --prefill and --decode, or --unified, not both");
     }
+    for (addr, _) in &workers {
+        router::discovery::check_address(addr).map_err(anyhow::Error::msg)?;
+    }
+    let dns_interval = Duration::from_millis(args.dns_interval_ms.max(100));
     check_open_bind(&args.common)?;
     let secret = cluster_secret(&args.common, false)?;
     let file = read_model_file(&args.common)?;
@@ -847,6 +896,7 @@ pub fn router(args: RouterArgs) -> Result<()> {
         port,
         context_length,
         secret,
+        dns_interval,
     ))
 }
 
@@ -940,6 +990,7 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
         let context_length = Some(u64::from(worker.info.context_length));
         let workers = vec![(addr, Role::Unified)];
         let port = args.port.unwrap_or(8080);
-        run_router(&args, file, workers, port, context_length, secret).await
+        let dns = router::cluster::DNS_INTERVAL;
+        run_router(&args, file, workers, port, context_length, secret, dns).await
     })
 }

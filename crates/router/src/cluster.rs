@@ -23,6 +23,8 @@ use transfer::{
 const RECONNECT_DELAY: Duration = Duration::from_millis(250);
 /// How long to wait before retrying a worker that was refused at the handshake.
 const REFUSED_DELAY: Duration = Duration::from_secs(2);
+/// How often a `dns:` address is looked up again.
+pub const DNS_INTERVAL: Duration = Duration::from_secs(5);
 /// Consecutive transport failures that open a worker's breaker.
 pub const BREAKER_FAILURES: u32 = 5;
 /// How long an open breaker keeps its worker out of rotation before one more try.
@@ -123,6 +125,9 @@ struct ClientState {
     failures: [u64; 4],
     /// The epoch of the worker's last handshake: a new one on a re-link is a restart.
     epoch: Option<u64>,
+    /// No longer listed in DNS: given nothing new, not linked again.
+    retired: bool,
+    prefixes: PrefixMemory,
 }
 
 enum LinkFailure {
@@ -130,16 +135,101 @@ enum LinkFailure {
     Refused(HandshakeError),
 }
 
-/// All workers, and the tasks that keep their links open.
+/// All workers, and the tasks that keep their links open and find workers in DNS.
 pub struct Cluster {
-    pub clients: Vec<Arc<WorkerClient>>,
-    tasks: Vec<JoinHandle<()>>,
+    members: Arc<Members>,
+    /// The roles configured, whether or not DNS has found any worker of them yet.
+    roles: Vec<Role>,
+    discovery: Vec<JoinHandle<()>>,
+}
+
+/// The workers linked or being linked, and what a new one's link needs.
+pub(crate) struct Members {
+    list: Mutex<Vec<Member>>,
+    link: LinkParams,
+}
+
+struct Member {
+    client: Arc<WorkerClient>,
+    task: JoinHandle<()>,
+    /// The DNS name (`dns:` address) that found it; `None` when named by a flag.
+    found_by: Option<String>,
+}
+
+struct LinkParams {
+    expect: Expectation,
+    secret: ClusterSecret,
+    transport: Arc<dyn Transport>,
+    metrics: Arc<Metrics>,
 }
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for task in &self.tasks {
+        for task in &self.discovery {
             task.abort();
+        }
+        for member in self.members.lock().iter() {
+            member.task.abort();
+        }
+    }
+}
+
+impl Members {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Member>> {
+        self.list
+            .lock()
+            .expect("members lock is never held across a panic")
+    }
+
+    /// Starts linking a worker at `addr`.
+    fn add(&self, list: &mut Vec<Member>, addr: String, role: Role, found_by: Option<String>) {
+        let client = Arc::new(WorkerClient {
+            addr,
+            role,
+            state: Mutex::new(ClientState::default()),
+        });
+        let task = {
+            let client = client.clone();
+            let transport = self.link.transport.clone();
+            let expect = self.link.expect.clone();
+            let secret = self.link.secret.clone();
+            let metrics = self.link.metrics.clone();
+            tokio::spawn(async move {
+                client
+                    .keep_linked(&*transport, &expect, &secret, &metrics)
+                    .await
+            })
+        };
+        list.push(Member {
+            client,
+            task,
+            found_by,
+        });
+    }
+
+    /// What a DNS lookup of `name` found: workers at new addresses are linked; those no
+    /// longer listed are retired (nothing new goes to them, they are not linked again, and
+    /// they leave once their link closes; one listed again before that is taken back).
+    pub(crate) fn found(&self, name: &str, role: Role, addresses: &[String]) {
+        let mut list = self.lock();
+        list.retain(|member| !member.task.is_finished());
+        for member in list.iter() {
+            if member.found_by.as_deref() == Some(name) {
+                let listed = addresses.contains(&member.client.addr);
+                let was_retired = member.client.set_retired(!listed);
+                if was_retired == listed {
+                    tracing::info!(worker = %member.client.addr, dns = name, listed, "worker set changed");
+                }
+            }
+        }
+        for addr in addresses {
+            let known = list
+                .iter()
+                .any(|m| m.found_by.as_deref() == Some(name) && m.client.addr == *addr);
+            if !known {
+                tracing::info!(worker = %addr, dns = name, "worker found in DNS; linking");
+                self.add(&mut list, addr.clone(), role, Some(name.to_string()));
+            }
         }
     }
 }
@@ -147,7 +237,9 @@ impl Drop for Cluster {
 impl Cluster {
     /// Starts a link-keeping task per worker. Every worker must prove it holds `secret` and
     /// match `expect` (model, weights, KV layout, context), or it is refused, counted in
-    /// `airlock_workers_refused_total`, and never routed to (I8, I11).
+    /// `airlock_workers_refused_total`, and never routed to (I8, I11). An address
+    /// `dns:NAME:PORT` names every address NAME resolves to, looked up again every
+    /// [`DNS_INTERVAL`] (a Kubernetes headless Service lists one per pod).
     pub fn connect(
         workers: Vec<(String, Role)>,
         expect: Expectation,
@@ -155,39 +247,74 @@ impl Cluster {
         transport: Arc<dyn Transport>,
         metrics: Arc<Metrics>,
     ) -> Cluster {
-        let clients: Vec<Arc<WorkerClient>> = workers
-            .into_iter()
-            .map(|(addr, role)| {
-                Arc::new(WorkerClient {
-                    addr,
-                    role,
-                    state: Mutex::new(ClientState::default()),
-                })
-            })
-            .collect();
-        let tasks = clients
-            .iter()
-            .map(|client| {
-                let client = client.clone();
-                let transport = transport.clone();
-                let expect = expect.clone();
-                let secret = secret.clone();
-                let metrics = metrics.clone();
-                tokio::spawn(async move {
-                    client
-                        .keep_linked(&*transport, &expect, &secret, &metrics)
-                        .await
-                })
-            })
-            .collect();
-        Cluster { clients, tasks }
+        let dns = crate::discovery::Dns {
+            resolver: Arc::new(crate::discovery::SystemResolver),
+            interval: DNS_INTERVAL,
+        };
+        Cluster::connect_with_dns(workers, expect, secret, transport, metrics, dns)
     }
 
-    /// Waits until every worker has a live link, or `timeout` passes.
+    /// [`Cluster::connect`] with `dns:` addresses resolved by `dns`.
+    pub fn connect_with_dns(
+        workers: Vec<(String, Role)>,
+        expect: Expectation,
+        secret: ClusterSecret,
+        transport: Arc<dyn Transport>,
+        metrics: Arc<Metrics>,
+        dns: crate::discovery::Dns,
+    ) -> Cluster {
+        let members = Arc::new(Members {
+            list: Mutex::new(Vec::new()),
+            link: LinkParams {
+                expect,
+                secret,
+                transport,
+                metrics,
+            },
+        });
+        let roles = workers.iter().map(|(_, role)| *role).collect();
+        let mut discovery = Vec::new();
+        {
+            let mut list = members.lock();
+            for (addr, role) in workers {
+                match crate::discovery::dns_name(&addr) {
+                    Some(name) => discovery.push(tokio::spawn(crate::discovery::discover(
+                        name.to_string(),
+                        role,
+                        dns.clone(),
+                        Arc::downgrade(&members),
+                    ))),
+                    None => members.add(&mut list, addr, role, None),
+                }
+            }
+        }
+        Cluster {
+            members,
+            roles,
+            discovery,
+        }
+    }
+
+    /// Every worker the router links or is linking (DNS-found ones included).
+    pub fn clients(&self) -> Vec<Arc<WorkerClient>> {
+        self.members
+            .lock()
+            .iter()
+            .map(|member| member.client.clone())
+            .collect()
+    }
+
+    /// Waits until every worker has a live link and every role configured has one (DNS
+    /// may not have answered yet), or `timeout` passes.
     pub async fn wait_ready(&self, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if self.clients.iter().all(|c| c.info().is_some()) {
+            let clients = self.clients();
+            let every_role = self
+                .roles
+                .iter()
+                .all(|role| clients.iter().any(|c| c.role == *role));
+            if every_role && clients.iter().all(|c| c.info().is_some()) {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -202,34 +329,40 @@ impl Cluster {
     /// the least loaded (requests in flight plus its queue) with the most free pages. When
     /// every candidate is avoided or its breaker is open, the best of those is taken rather
     /// than none: a breaker must never turn the last worker of a role away.
-    pub fn pick(&self, role: Role, avoid: &[Arc<WorkerClient>]) -> Option<Arc<WorkerClient>> {
-        let now = Instant::now();
-        let candidates: Vec<(Arc<WorkerClient>, Load)> = self
-            .clients
+    ///
+    /// With `prefix` (the chained digests of the request's full prompt pages, tenant and
+    /// cache partition first), the pick is among the workers within [`AFFINITY_SLACK`] of
+    /// the least loaded, the one that was sent the longest run of those pages before (so
+    /// holds them in its prefix cache, most likely), and that worker remembers them. Load
+    /// still spreads requests when that worker falls behind.
+    pub fn pick(
+        &self,
+        role: Role,
+        avoid: &[Arc<WorkerClient>],
+        prefix: Option<&[u64]>,
+    ) -> Option<Arc<WorkerClient>> {
+        let picked = pick_from(&self.clients(), role, avoid, prefix)?;
+        if let Some(digests) = prefix {
+            picked.remember(digests);
+        }
+        Some(picked)
+    }
+
+    /// The page size the workers report (they all match: the handshake checks it).
+    pub fn page_size(&self) -> Option<usize> {
+        self.clients()
             .iter()
-            .filter(|c| c.role == role)
-            .filter_map(|c| c.load(now).map(|load| (c.clone(), load)))
-            .filter(|(_, load)| !load.draining)
-            .collect();
-        let best = |preferred: bool| {
-            candidates
-                .iter()
-                .filter(|(c, load)| {
-                    !preferred || (!load.breaker_open && !avoid.iter().any(|a| Arc::ptr_eq(a, c)))
-                })
-                .min_by_key(|(_, load)| (load.busy, std::cmp::Reverse(load.pages_free)))
-                .map(|(c, _)| c.clone())
-        };
-        best(true).or_else(|| best(false))
+            .find_map(|c| c.info())
+            .map(|info| info.page_size_tokens as usize)
     }
 
     pub fn has_role(&self, role: Role) -> bool {
-        self.clients.iter().any(|c| c.role == role)
+        self.roles.contains(&role)
     }
 
     /// The smallest (capacity in tokens, context length) over live workers of `role`.
     pub fn limits(&self, role: Role) -> Option<(u64, u32)> {
-        self.clients
+        self.clients()
             .iter()
             .filter(|c| c.role == role)
             .filter_map(|c| c.info())
@@ -238,7 +371,7 @@ impl Cluster {
     }
 
     pub fn gauges(&self) -> Vec<PoolGauges> {
-        self.clients.iter().map(|c| c.gauges()).collect()
+        self.clients().iter().map(|c| c.gauges()).collect()
     }
 }
 
@@ -261,10 +394,44 @@ impl WorkerClient {
         self.lock().requests.len()
     }
 
-    /// What `Cluster::pick` weighs, or `None` when the link is down.
+    /// How many of `digests` (a prompt's chained page digests), from the first, this worker
+    /// was sent before.
+    fn pages_held(&self, digests: &[u64]) -> usize {
+        let state = self.lock();
+        digests
+            .iter()
+            .take_while(|d| state.prefixes.held.contains(d))
+            .count()
+    }
+
+    /// Notes that this worker is sent the pages `digests` stand for.
+    fn remember(&self, digests: &[u64]) {
+        let mut state = self.lock();
+        let memory = &mut state.prefixes;
+        for &digest in digests {
+            if memory.held.insert(digest) {
+                memory.order.push_back(digest);
+            }
+        }
+        while memory.order.len() > PREFIX_MEMORY_PAGES {
+            if let Some(old) = memory.order.pop_front() {
+                memory.held.remove(&old);
+            }
+        }
+    }
+
+    /// Marks the worker retired (or not); what it was before.
+    fn set_retired(&self, retired: bool) -> bool {
+        std::mem::replace(&mut self.lock().retired, retired)
+    }
+
+    /// What `Cluster::pick` weighs, or `None` when the link is down or the worker retired.
     fn load(&self, now: Instant) -> Option<Load> {
         let state = self.lock();
         state.link.as_ref()?;
+        if state.retired {
+            return None;
+        }
         let (queue_depth, pages_free, draining) = match &state.stats {
             Some(Frame::PoolStats {
                 queue_depth,
@@ -402,7 +569,7 @@ impl WorkerClient {
         secret: &ClusterSecret,
         metrics: &Metrics,
     ) {
-        loop {
+        while !self.lock().retired {
             match self.link_once(transport, expect, secret).await {
                 Ok(()) => tracing::warn!(worker = %self.addr, "worker link closed; reconnecting"),
                 Err(LinkFailure::Unreachable(error)) => {
@@ -507,6 +674,61 @@ impl WorkerClient {
     }
 }
 
+/// [`Cluster::pick`] over `clients`.
+fn pick_from(
+    clients: &[Arc<WorkerClient>],
+    role: Role,
+    avoid: &[Arc<WorkerClient>],
+    prefix: Option<&[u64]>,
+) -> Option<Arc<WorkerClient>> {
+    let now = Instant::now();
+    let candidates: Vec<(Arc<WorkerClient>, Load)> = clients
+        .iter()
+        .filter(|c| c.role == role)
+        .filter_map(|c| c.load(now).map(|load| (c.clone(), load)))
+        .filter(|(_, load)| !load.draining)
+        .collect();
+    let best = |preferred: bool| {
+        let eligible: Vec<&(Arc<WorkerClient>, Load)> = candidates
+            .iter()
+            .filter(|(c, load)| {
+                !preferred || (!load.breaker_open && !avoid.iter().any(|a| Arc::ptr_eq(a, c)))
+            })
+            .collect();
+        let least = eligible.iter().map(|(_, load)| load.busy).min()?;
+        let by_load = |load: &Load| (load.busy, std::cmp::Reverse(load.pages_free));
+        let chosen = match prefix {
+            Some(digests) => eligible
+                .iter()
+                .filter(|(_, load)| load.busy <= least + AFFINITY_SLACK)
+                .map(|(c, load)| (c, load, c.pages_held(digests)))
+                .min_by_key(|(_, load, held)| (std::cmp::Reverse(*held), by_load(load)))
+                .map(|(c, _, _)| c),
+            None => eligible
+                .iter()
+                .min_by_key(|(_, load)| by_load(load))
+                .map(|(c, _)| c),
+        };
+        chosen.cloned()
+    };
+    best(true).or_else(|| best(false))
+}
+
+/// How many more requests (in flight plus queued) than the least loaded worker a worker may
+/// have and still be picked for holding a request's prefix.
+pub const AFFINITY_SLACK: usize = 2;
+/// Page digests each worker's prefix memory keeps (oldest forgotten first): 1M tokens of
+/// 16-token pages, 512 KiB of digests.
+const PREFIX_MEMORY_PAGES: usize = 65_536;
+
+/// The pages a worker was sent, as chained digests: the router's guess of what its prefix
+/// cache holds (the worker may have evicted some; a wrong guess costs only a recompute).
+#[derive(Default)]
+struct PrefixMemory {
+    held: std::collections::HashSet<u64>,
+    order: std::collections::VecDeque<u64>,
+}
+
 /// A linked worker's load, as `Cluster::pick` weighs it.
 struct Load {
     busy: usize,
@@ -555,11 +777,8 @@ mod tests {
         client
     }
 
-    fn cluster(clients: &[&Arc<WorkerClient>]) -> Cluster {
-        Cluster {
-            clients: clients.iter().map(|c| Arc::clone(c)).collect(),
-            tasks: Vec::new(),
-        }
+    fn cluster(clients: &[&Arc<WorkerClient>]) -> Vec<Arc<WorkerClient>> {
+        clients.iter().map(|c| Arc::clone(c)).collect()
     }
 
     fn set_draining(client: &WorkerClient) {
@@ -568,9 +787,8 @@ mod tests {
         }
     }
 
-    fn picked(cluster: &Cluster, role: Role, avoid: &[Arc<WorkerClient>]) -> String {
-        cluster
-            .pick(role, avoid)
+    fn picked(clients: &[Arc<WorkerClient>], role: Role, avoid: &[Arc<WorkerClient>]) -> String {
+        pick_from(clients, role, avoid, None)
             .map(|c| c.addr.clone())
             .unwrap_or_default()
     }
@@ -675,6 +893,40 @@ mod tests {
         assert_eq!(
             picked(&cluster, Role::Prefill, &[a.clone(), b.clone()]),
             "a"
+        );
+    }
+
+    /// A prompt goes where its longest run of pages went before, while that worker is
+    /// within the slack of the least loaded; past it, to the least loaded.
+    #[test]
+    fn a_prefix_goes_where_its_pages_went_within_the_slack() {
+        let workers: Vec<Arc<WorkerClient>> = (0..3)
+            .map(|i| linked(&format!("w{i}"), Role::Decode, 0, 90))
+            .collect();
+        let pick = |digests: &[u64]| {
+            let picked = pick_from(&workers, Role::Decode, &[], Some(digests)).unwrap();
+            picked.remember(digests);
+            picked.addr.clone()
+        };
+        // w0 is picked first (ties go by load, then list order), then w1 for another prompt.
+        workers[0].remember(&[1, 2, 3]);
+        workers[1].remember(&[1, 9]);
+        assert_eq!(pick(&[1, 2, 3, 4]), "w0", "three pages held");
+        assert_eq!(pick(&[1, 9, 10]), "w1", "two pages held beat one");
+        assert_eq!(pick(&[5, 6]), "w0", "nothing held: by load");
+        let set_queue = |addr: &str, depth: u32| {
+            let client = workers.iter().find(|c| c.addr == addr).unwrap();
+            if let Some(Frame::PoolStats { queue_depth, .. }) = &mut client.lock().stats {
+                *queue_depth = depth;
+            }
+        };
+        set_queue("w0", AFFINITY_SLACK as u32);
+        assert_eq!(pick(&[1, 2, 3, 4, 5]), "w0", "within the slack");
+        set_queue("w0", AFFINITY_SLACK as u32 + 1);
+        assert_eq!(
+            pick(&[1, 2, 3, 4, 5]),
+            "w1",
+            "past the slack: the next best holder"
         );
     }
 

@@ -21,6 +21,7 @@
 mod admission;
 pub mod cluster;
 pub mod cors;
+pub mod discovery;
 pub mod edge;
 pub mod error;
 pub mod metrics;

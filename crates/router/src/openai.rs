@@ -288,6 +288,8 @@ pub struct Job {
     pub show_logprobs: bool,
     /// The tools the answer may call: an answer that is a call becomes `tool_calls`.
     pub tools: Option<tools::ToolUse>,
+    /// The client's `traceparent`: the request's span joins the client's trace.
+    pub trace_parent: Option<otlp::TraceContext>,
 }
 
 /// What validation needs to know about the deployment.
@@ -972,6 +974,7 @@ fn build_job(
                 .as_ref()
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+        trace_parent: None,
     })
 }
 

@@ -101,8 +101,13 @@ async fn start(
     let tenant = authenticate(state, headers)?;
     require_json(headers)?;
     let body = read_body(body, &state.config).await?;
-    let jobs = parse(state, &body, endpoint)?;
-    for job in &jobs {
+    let mut jobs = parse(state, &body, endpoint)?;
+    let trace_parent = headers
+        .get("traceparent")
+        .and_then(|value| value.to_str().ok())
+        .and_then(otlp::TraceContext::from_traceparent);
+    for job in &mut jobs {
+        job.trace_parent = trace_parent;
         admit(state, job)?;
     }
     // Every choice's permit and slot before any is submitted: a request over a limit sends
@@ -256,7 +261,7 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>, headers: HeaderMa
     }
     let workers = state
         .cluster
-        .clients
+        .clients()
         .iter()
         .map(|client| {
             let info = client.info();
@@ -288,7 +293,7 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>, headers: HeaderMa
 fn readiness(state: &AppState) -> (StatusCode, Readiness) {
     if state.draining.load(Ordering::Relaxed) {
         (StatusCode::SERVICE_UNAVAILABLE, Readiness::Draining)
-    } else if state.cluster.clients.iter().all(|c| c.is_up()) {
+    } else if state.cluster.clients().iter().all(|c| c.is_up()) {
         (StatusCode::OK, Readiness::Ok)
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, Readiness::Degraded)
@@ -302,7 +307,7 @@ fn can_serve(state: &AppState) -> (StatusCode, Readiness) {
     let up = |role| {
         state
             .cluster
-            .clients
+            .clients()
             .iter()
             .any(|c| c.role == role && c.is_up() && !c.is_draining())
     };

@@ -55,6 +55,13 @@ pub(crate) struct Run {
     retries_left: u32,
     /// Workers an earlier try failed on: picked again only when no other can take it.
     avoid: Vec<Arc<WorkerClient>>,
+    /// This request's span (one per choice), in the client's trace when it sent one; the
+    /// workers' spans are its children.
+    span: otlp::TraceContext,
+    started_at: std::time::SystemTime,
+    tries: u32,
+    /// The error code the run failed with, for its span.
+    error_code: Option<&'static str>,
     permit: TenantPermit,
     _slot: OwnedSemaphorePermit,
 }
@@ -127,7 +134,15 @@ impl Run {
         slot: OwnedSemaphorePermit,
     ) -> Result<Run, ApiError> {
         let echo_pending = job.echo;
+        let span = match job.trace_parent {
+            Some(parent) => parent.child(),
+            None => otlp::TraceContext::root(),
+        };
         let mut run = Run {
+            span,
+            started_at: std::time::SystemTime::now(),
+            tries: 0,
+            error_code: None,
             retries_left: state.config.retries,
             state,
             id: RequestId(0),
@@ -161,6 +176,10 @@ impl Run {
         let tenant = self.permit.tenant().id;
         let prefix_cache = uses_prefix_cache(&state, &self.permit, job)
             .then(|| cache_partition(job.cache_salt.as_deref()));
+        let (traced, span) = (
+            state.tracer.is_on() || job.trace_parent.is_some(),
+            self.span,
+        );
         let submit = |plan| {
             Frame::Submit(Submit {
                 request: id,
@@ -172,15 +191,22 @@ impl Run {
                 ignore_eos: job.ignore_eos,
                 prefix_cache,
                 plan,
+                trace: traced.then_some(span),
             })
         };
         let no_worker = |role| ApiError::NoWorkers {
             message: format!("no {} worker is available; retry shortly", role_name(role)),
         };
+        // A prompt goes to the worker that was sent most of its pages before, while its load
+        // allows, so it meets its cached prefix there.
+        let page_size = state.cluster.page_size().unwrap_or(16);
+        let prefix =
+            prefix_cache.map(|partition| prefix_digests(tenant, partition, &job.prompt, page_size));
+        let affinity = prefix.as_deref();
         let cluster = &state.cluster;
         let (workers, phase) = if cluster.has_role(Role::Unified) {
             let worker = cluster
-                .pick(Role::Unified, &self.avoid)
+                .pick(Role::Unified, &self.avoid, affinity)
                 .ok_or(no_worker(Role::Unified))?;
             if !worker.submit(id, tx, submit(Plan::Unified)) {
                 return Err(no_worker(Role::Unified));
@@ -188,10 +214,10 @@ impl Run {
             (vec![worker], Phase::Prefilling)
         } else {
             let decode = cluster
-                .pick(Role::Decode, &self.avoid)
+                .pick(Role::Decode, &self.avoid, affinity)
                 .ok_or(no_worker(Role::Decode))?;
             let prefill = cluster
-                .pick(Role::Prefill, &self.avoid)
+                .pick(Role::Prefill, &self.avoid, affinity)
                 .ok_or(no_worker(Role::Prefill))?;
             let transfer = TransferId(state.transfer_salt | id.0);
             if !decode.submit(id, tx.clone(), submit(Plan::Decode { transfer })) {
@@ -214,6 +240,7 @@ impl Run {
         self.id = id;
         self.rx = rx;
         self.workers = workers;
+        self.tries += 1;
         self.cached_tokens = 0;
         self.prompt_scores = vec![None; prompt_scores];
         self.prompt_scored = 0;
@@ -449,6 +476,7 @@ impl Run {
 
     /// Ends the run with `error`, counted once; the drop aborts it on the other workers.
     fn fail(&mut self, error: ApiError) -> ApiError {
+        self.error_code = Some(error.code());
         self.state.metrics.inc(Counter::Requests {
             outcome: RequestOutcome::Error,
             reason: error.reason(),
@@ -812,8 +840,49 @@ impl Run {
     }
 }
 
+impl Run {
+    /// The request's span, as it ends.
+    fn record_span(&self) {
+        let tracer = &self.state.tracer;
+        if !tracer.is_on() {
+            return;
+        }
+        let error = match self.phase {
+            Phase::Ended(Ending::Finished) => None,
+            Phase::Ended(Ending::Failed) => Some(self.error_code.unwrap_or("failed").to_string()),
+            _ => Some("cancelled".to_string()),
+        };
+        let path = match self.job.endpoint {
+            Endpoint::Chat => "POST /v1/chat/completions",
+            Endpoint::Completions => "POST /v1/completions",
+        };
+        let workers: Vec<&str> = self.workers.iter().map(|w| w.addr.as_str()).collect();
+        let int = |n: u64| otlp::Value::Int(n as i64);
+        tracer.record(otlp::Span {
+            context: self.span,
+            parent: self.job.trace_parent.map(|parent| parent.span_id),
+            name: path.to_string(),
+            kind: otlp::SpanKind::Server,
+            start: self.started_at,
+            end: std::time::SystemTime::now(),
+            attributes: vec![
+                ("airlock.request_id", int(self.id.0)),
+                ("airlock.tenant", int(self.permit.tenant().id.0)),
+                ("airlock.choice", int(u64::from(self.job.index))),
+                ("airlock.prompt_tokens", int(self.job.prompt.len() as u64)),
+                ("airlock.max_tokens", int(u64::from(self.job.max_tokens))),
+                ("airlock.cached_tokens", int(u64::from(self.cached_tokens))),
+                ("airlock.tries", int(u64::from(self.tries))),
+                ("airlock.workers", otlp::Value::Str(workers.join(","))),
+            ],
+            error,
+        });
+    }
+}
+
 impl Drop for Run {
     fn drop(&mut self) {
+        self.record_span();
         if self.phase.is_waiting() {
             self.state.waiting.fetch_sub(1, Ordering::Relaxed);
         }
@@ -841,6 +910,28 @@ impl Drop for Run {
             worker.forget(self.id);
         }
     }
+}
+
+/// The chained digests of a prompt's full pages, as `Cluster::pick` matches them against
+/// what it sent each worker: page i's digest covers the tenant, the cache partition and every
+/// token up to the end of page i, as a worker's prefix cache keys its pages. The tenant is in
+/// every digest, so one tenant's prompts never steer another's.
+fn prefix_digests(
+    tenant: kv::TenantId,
+    partition: Partition,
+    prompt: &[u32],
+    page_size: usize,
+) -> Vec<u64> {
+    let mut digest =
+        xxhash_rust::xxh3::xxh3_64(&[tenant.0.to_le_bytes(), partition.0.to_le_bytes()].concat());
+    prompt
+        .chunks_exact(page_size.max(1))
+        .map(|page| {
+            let bytes: Vec<u8> = page.iter().flat_map(|t| t.to_le_bytes()).collect();
+            digest = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, digest);
+            digest
+        })
+        .collect()
 }
 
 /// The prefix-cache partition of a request within its tenant: one for requests without a

@@ -70,6 +70,8 @@ pub struct AppState {
     /// Set when the process is told to stop: readiness answers 503 `draining` from then on,
     /// so a load balancer sends nothing new while the requests in progress finish.
     pub draining: AtomicBool,
+    /// Where each request's span goes (off unless `--otlp-endpoint` is given).
+    pub tracer: otlp::Tracer,
 }
 
 impl AppState {
@@ -103,6 +105,7 @@ impl AppState {
             next_request: AtomicU64::new(1),
             transfer_salt: salt << 32,
             draining: AtomicBool::new(false),
+            tracer: otlp::Tracer::off(),
         }
     }
 }

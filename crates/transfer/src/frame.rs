@@ -17,7 +17,7 @@ use kv::{Partition, RequestId, TenantId};
 /// Version 6: `Sampling` carries min-p, the penalties, the logit bias and the log-probabilities
 /// asked for; `Text` carries its tokens' log-probabilities instead of a token count;
 /// `PromptLogprobs`; `Sampling::constraint`.
-/// Version 7: `PoolStats::draining`.
+/// Version 7: `PoolStats::draining`; `Submit::trace`.
 pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
@@ -225,6 +225,8 @@ pub struct Submit {
     /// `None` when the tenant (or the operator) turned prefix reuse off.
     pub prefix_cache: Option<Partition>,
     pub plan: Plan,
+    /// The router's span of this request, when tracing: the worker's span joins its trace.
+    pub trace: Option<otlp::TraceContext>,
 }
 
 /// A worker's prefix-cache counters, in its `PoolStats` (they only grow, but `cached_pages`).
@@ -1098,6 +1100,14 @@ fn encode_submit(w: &mut Writer, submit: &Submit) {
             w.u64(transfer.0);
         }
     }
+    match &submit.trace {
+        None => w.u8(0),
+        Some(context) => {
+            w.u8(1);
+            w.bytes(&context.trace_id);
+            w.bytes(&context.span_id);
+        }
+    }
 }
 
 fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
@@ -1181,6 +1191,13 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
             })
         }
     };
+    let trace = match r.flag("trace")? {
+        true => Some(otlp::TraceContext {
+            trace_id: r.array()?,
+            span_id: r.array()?,
+        }),
+        false => None,
+    };
     Ok(Submit {
         request,
         tenant,
@@ -1191,6 +1208,7 @@ fn decode_submit(r: &mut Reader) -> Result<Submit, DecodeError> {
         ignore_eos,
         prefix_cache,
         plan,
+        trace,
     })
 }
 

@@ -51,6 +51,10 @@ fn sample_frames() -> Vec<Frame> {
             decode_addr: "127.0.0.1:9002".into(),
             decode_holds_pages: 3,
         },
+        trace: Some(otlp::TraceContext {
+            trace_id: [0xab; 16],
+            span_id: [0xcd; 8],
+        }),
     };
     let done = TransferDone {
         transfer: TransferId(99),
@@ -334,6 +338,7 @@ proptest! {
             ignore_eos: false,
             prefix_cache: None,
             plan: Plan::Unified,
+            trace: None,
         });
         prop_assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
     }

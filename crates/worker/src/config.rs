@@ -27,4 +27,6 @@ pub struct WorkerConfig {
     pub max_batch: usize,
     /// Faults to inject (test builds with `fault-injection` only; always empty otherwise).
     pub faults: crate::FaultPlan,
+    /// Where each request's span goes, as a child of the router's (off by default).
+    pub tracer: otlp::Tracer,
 }

@@ -324,6 +324,7 @@ pub fn start(options: Options) -> TestServer {
                 step_tokens: 256,
                 max_batch: 64,
                 faults,
+                tracer: otlp::Tracer::off(),
             };
             let worker = match options.backend {
                 Backend::Real => {

@@ -118,6 +118,23 @@ fn base_url(line_value: &str) -> String {
     line_value.trim_end_matches("/v1").to_string()
 }
 
+/// `airlock router` on a free port in front of `prefill` and `decode`, with `extra` flags:
+/// the process and its base URL.
+fn start_router(prefill: &str, decode: &str, extra: &[&str]) -> (Process, String) {
+    let mut args = vec![
+        "router",
+        "--port",
+        "0",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+    ];
+    args.extend_from_slice(extra);
+    let (router, url) = spawn("router", &args, " at ");
+    (router, base_url(&url))
+}
+
 /// Decode, prefill and a router in front of them, each its own process. Returns them, the
 /// decode worker's address and the router's base URL.
 struct Deployment {
@@ -155,26 +172,14 @@ fn start_deployment_on(transport: KvTransport) -> Deployment {
         Some(path) => format!("unix:{path}"),
         None => decode_addr.clone(),
     };
-    let (router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &prefill_addr,
-            "--decode",
-            &routed_decode,
-        ],
-        " at ",
-    );
+    let (router, url) = start_router(&prefill_addr, &routed_decode, &[]);
     Deployment {
         decode,
         decode_addr,
         prefill,
         prefill_addr,
         _router: router,
-        url: base_url(&url),
+        url,
         decode_flags,
         _socket_dir: socket_dir,
     }
@@ -473,20 +478,8 @@ fn ready_means_a_complete_path_and_health_means_every_worker() {
     let (mut decode, decode_addr) = start_worker("decode", "0");
     let (mut first, first_addr) = start_worker("prefill", "0");
     let (_second, second_addr) = start_worker("prefill", "0");
-    let (_router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &format!("{first_addr},{second_addr}"),
-            "--decode",
-            &decode_addr,
-        ],
-        " at ",
-    );
-    let url = base_url(&url);
+    let prefills = format!("{first_addr},{second_addr}");
+    let (_router, url) = start_router(&prefills, &decode_addr, &[]);
     let status = |path: &'static str| {
         let url = url.clone();
         async move {
@@ -737,22 +730,7 @@ fn kill_one_decode_and_stop_one_prefill_under_load(retries: &str) -> Vec<(u16, S
     let (_prefill_b, prefill_b_addr) = start_worker("prefill", "0");
     let prefills = format!("{prefill_a_addr},{prefill_b_addr}");
     let decodes = format!("{decode_a_addr},{decode_b_addr}");
-    let (_router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &prefills,
-            "--decode",
-            &decodes,
-            "--retries",
-            retries,
-        ],
-        " at ",
-    );
-    let url = base_url(&url);
+    let (_router, url) = start_router(&prefills, &decodes, &["--retries", retries]);
     const MAX_TOKENS: usize = 24;
     let prompts: Vec<String> = (0..16)
         .map(|i| format!("Note {i}: the colours of the rainbow, in order, are"))
@@ -790,7 +768,23 @@ fn kill_one_decode_and_stop_one_prefill_under_load(retries: &str) -> Vec<(u16, S
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(1200));
+    // The kills land while most of the load is generating (started, not finished), on a
+    // machine of any speed.
+    runtime().block_on(async {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let page = crate::harness::metrics(&url).await;
+            let running = crate::harness::samples(&page, "airlock_requests_running");
+            if running.first().is_some_and(|(_, n)| *n >= 12.0) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the load never ran: {page}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
     drop(decode_a);
     terminate(&prefill_a);
     let answers: Vec<(u16, String)> = runtime().block_on(async {
@@ -869,22 +863,8 @@ fn kill_one_decode_and_stop_one_prefill_under_load(retries: &str) -> Vec<(u16, S
 fn a_router_told_to_stop_turns_unready_finishes_its_requests_and_exits() {
     let (_decode, decode_addr) = start_worker("decode", "0");
     let (_prefill, prefill_addr) = start_worker("prefill", "0");
-    let (mut router, url) = spawn(
-        "router",
-        &[
-            "router",
-            "--port",
-            "0",
-            "--prefill",
-            &prefill_addr,
-            "--decode",
-            &decode_addr,
-            "--drain-delay-ms",
-            "3000",
-        ],
-        " at ",
-    );
-    let url = base_url(&url);
+    let (mut router, url) =
+        start_router(&prefill_addr, &decode_addr, &["--drain-delay-ms", "3000"]);
     runtime().block_on(wait_all_linked(&url));
     let request = {
         let url = url.clone();
@@ -899,17 +879,264 @@ fn a_router_told_to_stop_turns_unready_finishes_its_requests_and_exits() {
     std::thread::sleep(Duration::from_millis(300));
     terminate(&router);
     runtime().block_on(async {
-        let ready = crate::harness::client()
-            .get(format!("{url}/health/ready"))
-            .send()
-            .await
-            .expect("the port is open during the drain delay");
-        assert_eq!(ready.status().as_u16(), 503);
-        assert_eq!(ready.text().await.unwrap(), r#"{"status":"draining"}"#);
+        // The signal lands asynchronously: readiness turns within the delay, never after.
+        let deadline = std::time::Instant::now() + Duration::from_millis(2500);
+        loop {
+            let ready = crate::harness::client()
+                .get(format!("{url}/health/ready"))
+                .send()
+                .await
+                .expect("the port is open during the drain delay");
+            if ready.status().as_u16() == 503 {
+                assert_eq!(ready.text().await.unwrap(), r#"{"status":"draining"}"#);
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still ready after SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let answer = request.await.expect("task");
         assert_eq!(answer.status, 200, "{}", answer.body);
         assert_eq!(answer.json()["usage"]["completion_tokens"], 64);
     });
     let status = wait_exit(&mut router, Duration::from_secs(30));
     assert!(status.success(), "{status}");
+}
+
+/// Workers named by DNS (`dns:NAME:PORT`, looked up every `--dns-interval-ms`) are linked
+/// and serve like workers named by address; `/health` lists each by the address found.
+#[test]
+fn workers_named_through_dns_are_found_linked_and_serve() {
+    let (_decode, decode_addr) = start_worker("decode", "0");
+    let (_prefill, prefill_addr) = start_worker("prefill", "0");
+    let port = |addr: &str| addr.rsplit(':').next().expect("port").to_string();
+    // A name whose records the test controls needs a DNS server; an address literal goes
+    // through the same lookup (`getaddrinfo`) and the same membership code.
+    let decode = format!("dns:127.0.0.1:{}", port(&decode_addr));
+    let prefill = format!("dns:127.0.0.1:{}", port(&prefill_addr));
+    let (_router, url) = start_router(&prefill, &decode, &["--dns-interval-ms", "200"]);
+    runtime().block_on(async {
+        wait_all_linked(&url).await;
+        let mut workers: Vec<String> = workers_health(&url)
+            .await
+            .into_iter()
+            .map(|(address, _, _)| address)
+            .collect();
+        workers.sort();
+        let mut expected = vec![decode_addr.clone(), prefill_addr.clone()];
+        expected.sort();
+        assert_eq!(workers, expected);
+        let answer = post(
+            &url,
+            "/v1/completions",
+            completion("The capital of France is", 4),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    });
+    let bad = airlock()
+        .args([
+            "router",
+            "--decode",
+            "dns:decode-no-port",
+            "--prefill",
+            "127.0.0.1:1",
+        ])
+        .args(["--model", &model_path()])
+        .output()
+        .expect("airlock runs");
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("dns:NAME:PORT"), "{stderr}");
+}
+
+/// Prefix-aware routing: with two unified workers, a request whose prompt starts like one
+/// still running goes to that one's worker (busier by one, within the slack), where its
+/// prompt pages are cached, rather than to the idle one that would compute them again.
+#[test]
+fn a_prompt_goes_to_the_worker_that_holds_its_prefix() {
+    let (_a, a) = start_faulty_worker_with("unified", "0", "", &["--worker-only"]);
+    let (_b, b) = start_faulty_worker_with("unified", "0", "", &["--worker-only"]);
+    let (_router, url) = spawn(
+        "router",
+        &["router", "--port", "0", "--unified", &format!("{a},{b}")],
+        " at ",
+    );
+    let url = base_url(&url);
+    let shared = "The committee met on Tuesday to review the budget, the schedule and the \
+                  open questions from the last meeting. "
+        .repeat(6);
+    runtime().block_on(async {
+        wait_all_linked(&url).await;
+        let long = {
+            let (url, prompt) = (url.clone(), format!("{shared}Summarize the meeting."));
+            tokio::spawn(async move {
+                let body = serde_json::json!({
+                    "model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0,
+                    "ignore_eos": true,
+                });
+                post(&url, "/v1/completions", body).await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let answer = post(
+            &url,
+            "/v1/completions",
+            completion(&format!("{shared}List the open questions."), 4),
+        )
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let usage = &answer.json()["usage"];
+        let cached = usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+        assert!(
+            cached >= 96,
+            "the shared prefix came from the first request's worker: {usage}"
+        );
+        assert_eq!(long.await.expect("task").status, 200);
+    });
+}
+
+/// A minimal OTLP/HTTP collector: every JSON body POSTed to it, answered 200.
+fn start_collector() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let listener = runtime()
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("collector port");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let kept = bodies.clone();
+    runtime().spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut chunk = [0; 8192];
+                loop {
+                    let n = stream.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&chunk[..n]);
+                    let text = String::from_utf8_lossy(&request).into_owned();
+                    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length: ")
+                                .map(str::to_string)
+                        })
+                        .and_then(|l| l.trim().parse().ok())
+                        .unwrap_or(0);
+                    if body.len() < length {
+                        continue;
+                    }
+                    if head.starts_with("POST /v1/traces ") {
+                        if let Ok(json) = serde_json::from_str(body) {
+                            kept.lock().unwrap().push(json);
+                        }
+                    }
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                        .await;
+                    return;
+                }
+            });
+        }
+    });
+    (url, bodies)
+}
+
+/// Every span the collector got: (service.name, span JSON).
+fn collected_spans(
+    bodies: &std::sync::Mutex<Vec<serde_json::Value>>,
+) -> Vec<(String, serde_json::Value)> {
+    let mut spans = Vec::new();
+    for body in bodies.lock().unwrap().iter() {
+        for resource in body["resourceSpans"].as_array().into_iter().flatten() {
+            let service = resource["resource"]["attributes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|a| a["key"] == "service.name")
+                .and_then(|a| a["value"]["stringValue"].as_str())
+                .unwrap_or_default()
+                .to_string();
+            for scope in resource["scopeSpans"].as_array().into_iter().flatten() {
+                for span in scope["spans"].as_array().into_iter().flatten() {
+                    spans.push((service.clone(), span.clone()));
+                }
+            }
+        }
+    }
+    spans
+}
+
+/// With `--otlp-endpoint`, one request is one trace across the three processes: the
+/// router's span continues the client's `traceparent`, and the prefill's and the decode's
+/// spans are its children (the context travels in the `Submit` frame).
+#[test]
+fn one_request_is_one_trace_across_router_prefill_and_decode() {
+    let (collector, bodies) = start_collector();
+    let otlp = ["--otlp-endpoint", collector.as_str()];
+    let (_decode, decode_addr) = start_faulty_worker_with("decode", "0", "", &otlp);
+    let (_prefill, prefill_addr) = start_faulty_worker_with("prefill", "0", "", &otlp);
+    let (_router, url) = start_router(
+        &prefill_addr,
+        &decode_addr,
+        &["--otlp-endpoint", &collector],
+    );
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    runtime().block_on(async {
+        wait_all_linked(&url).await;
+        let answer = crate::harness::client()
+            .post(format!("{url}/v1/completions"))
+            .header("traceparent", format!("00-{client_trace}-{client_span}-01"))
+            .json(&completion("The capital of France is", 4))
+            .send()
+            .await
+            .expect("sent");
+        assert_eq!(answer.status().as_u16(), 200);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let spans = collected_spans(&bodies);
+            let of = |service: &str| {
+                spans
+                    .iter()
+                    .find(|(s, span)| s == service && span["traceId"] == client_trace)
+                    .map(|(_, span)| span.clone())
+            };
+            if let (Some(router), Some(prefill), Some(decode)) = (
+                of("airlock-router"),
+                of("airlock-prefill"),
+                of("airlock-decode"),
+            ) {
+                assert_eq!(router["parentSpanId"], client_span, "{router}");
+                assert_eq!(router["name"], "POST /v1/completions");
+                assert_eq!(router["status"]["code"], 1, "{router}");
+                for worker in [&prefill, &decode] {
+                    assert_eq!(worker["parentSpanId"], router["spanId"], "{worker}");
+                    assert_ne!(worker["spanId"], router["spanId"]);
+                }
+                assert_eq!(prefill["name"], "prefill");
+                assert_eq!(decode["name"], "decode");
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "spans of the request's trace missing: {spans:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
 }

@@ -62,6 +62,7 @@ impl Engine {
                 submit,
                 owner,
                 arrived: Instant::now(),
+                received_at: std::time::SystemTime::now(),
                 seq,
                 peer,
                 reported: false,

@@ -2,10 +2,10 @@
 //! [`Engine::end`], which reports once (I6) and releases the pages (I9); pages a receiver may
 //! still read stay held until it answers or its link is gone (I5, I7).
 
-use super::{failed, Engine, Key, LinkId, LinkKind, Phase, Stage};
+use super::{failed, Engine, Key, LinkId, LinkKind, Phase, Request, Stage};
 use kv::PageState;
 use std::time::Instant;
-use transfer::{Failure, Frame, TransferId};
+use transfer::{Failure, Frame, Role, TransferId};
 
 impl Engine {
     pub(super) fn abort(&mut self, key: Key) {
@@ -192,10 +192,12 @@ impl Engine {
 
     /// Ends a request: tells the router (once), releases its pages, forgets it.
     pub(super) fn end(&mut self, key: Key, outcome: Result<Frame, (Failure, String)>) {
+        let error = outcome.as_ref().err().map(|(_, message)| message.clone());
         self.report(key, outcome);
         let Some(request) = self.requests.remove(&key) else {
             return;
         };
+        self.record_span(&request, error);
         self.queue.retain(|queued| *queued != key);
         let Phase::Admitted { table, stage } = request.phase else {
             return;
@@ -222,6 +224,35 @@ impl Engine {
             self.ownership_failures += 1;
             tracing::error!(%error, "a request's pages did not verify at release");
         }
+    }
+
+    /// The request's span on this worker, a child of the router's, when the router sent its
+    /// trace and this worker exports spans.
+    fn record_span(&self, request: &Request, error: Option<String>) {
+        let (Some(parent), true) = (request.submit.trace, self.config.tracer.is_on()) else {
+            return;
+        };
+        let role = match self.config.role {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Unified => "unified",
+        };
+        let int = |n: usize| otlp::Value::Int(n as i64);
+        self.config.tracer.record(otlp::Span {
+            context: parent.child(),
+            parent: Some(parent.span_id),
+            name: role.to_string(),
+            kind: otlp::SpanKind::Server,
+            start: request.received_at,
+            end: std::time::SystemTime::now(),
+            attributes: vec![
+                ("airlock.worker", otlp::Value::Str(self.config.name.clone())),
+                ("airlock.request_id", int(request.submit.request.0 as usize)),
+                ("airlock.prompt_tokens", int(request.submit.prompt.len())),
+                ("airlock.cached_tokens", int(request.cached_tokens)),
+            ],
+            error,
+        });
     }
 
     fn report(&mut self, key: Key, outcome: Result<Frame, (Failure, String)>) {

@@ -117,6 +117,8 @@ struct Request {
     /// unique per router).
     owner: Owner,
     arrived: Instant,
+    /// Wall-clock arrival, for the request's span.
+    received_at: std::time::SystemTime,
     /// Arrival order, for FIFO prefill scheduling.
     seq: u64,
     /// The decode worker's link named by a prefill plan's submit; its pages go there.

@@ -78,6 +78,7 @@ impl Worker {
             step_tokens,
             max_batch: 8,
             faults: FaultPlan::none(),
+            tracer: otlp::Tracer::off(),
         };
         let (events, inbox) = mpsc::channel();
         let mut worker = Worker {
@@ -235,6 +236,7 @@ pub(super) fn submit(request: u64, prompt: &[u32], max_tokens: u32, plan: Plan) 
         ignore_eos: false,
         prefix_cache: None,
         plan,
+        trace: None,
     }
 }
 

@@ -65,6 +65,7 @@ async fn start_decode() -> Decode {
         step_tokens: 64,
         max_batch: 8,
         faults: worker::FaultPlan::none(),
+        tracer: otlp::Tracer::off(),
     };
     let secret = ClusterSecret::random();
     let worker = start_worker(
@@ -127,6 +128,7 @@ fn reserve(request: RequestId, transfer: TransferId) -> Frame {
         // These tests forge the sender: no cached pages on decode, every page must come.
         prefix_cache: None,
         plan: Plan::Decode { transfer },
+        trace: None,
     })
 }
 
