@@ -199,9 +199,10 @@ impl Run {
         };
         // A prompt goes to the worker that was sent most of its pages before, while its load
         // allows, so it meets its cached prefix there.
-        let page_size = state.cluster.page_size().unwrap_or(16);
-        let prefix =
-            prefix_cache.map(|partition| prefix_digests(tenant, partition, &job.prompt, page_size));
+        let prefix = prefix_cache.map(|partition| {
+            let page_size = state.cluster.page_size().unwrap_or(16);
+            prefix_digests(tenant, partition, &job.prompt, page_size)
+        });
         let affinity = prefix.as_deref();
         let cluster = &state.cluster;
         let (workers, phase) = if cluster.has_role(Role::Unified) {
@@ -256,20 +257,14 @@ impl Run {
     /// down or full) and a try is left, aborts this try and sends the request again.
     /// Whether it was sent again. The caller makes sure nothing of the answer was sent.
     fn retry_after(&mut self, role: Role, failure: Failure) -> bool {
-        let Some(reporter) = self.worker(role) else {
+        let Some(culprit) = self.blame(role, failure) else {
             return false;
-        };
-        let fault = TransportFault::of(failure);
-        let culprit = match fault {
-            Some(fault) => self.lay_blame(&reporter, fault),
-            None if failure == Failure::Overloaded => reporter,
-            None => return false,
         };
         if self.retries_left == 0 {
             return false;
         }
         self.retries_left -= 1;
-        let reason = fault.map_or("overloaded", TransportFault::label);
+        let reason = TransportFault::of(failure).map_or("overloaded", TransportFault::label);
         self.state.metrics.inc(Counter::Retries { reason });
         tracing::info!(request = self.id.0, worker = %culprit.addr, reason, "trying the request on other workers");
         self.avoid.push(culprit);
@@ -290,22 +285,29 @@ impl Run {
         }
     }
 
-    /// Counts `fault`, reported by `reporter`, against the worker that caused it: the
+    /// Lays `failure`, reported by the worker of `role`, at the worker that caused it, and
+    /// names that worker for a retry to avoid; `None` when no worker is at fault (the
+    /// client's request, a queue timeout). A transport fault is counted against the
     /// reporter itself when its link broke (the cluster counted that already) or when it
-    /// works alone, else its peer in the transfer (a decode worker reports what its prefill
-    /// sent or failed to send, a prefill what its decode refused or could not take).
-    fn lay_blame(&self, reporter: &Arc<WorkerClient>, fault: TransportFault) -> Arc<WorkerClient> {
+    /// works alone, else against its peer in the transfer (a decode worker reports what its
+    /// prefill sent or failed to send, a prefill what its decode refused or could not take).
+    /// A full or draining worker (`Overloaded`) is avoided, not counted.
+    fn blame(&self, role: Role, failure: Failure) -> Option<Arc<WorkerClient>> {
+        let reporter = self.worker(role)?;
+        let Some(fault) = TransportFault::of(failure) else {
+            return (failure == Failure::Overloaded).then_some(reporter);
+        };
         if !reporter.is_up() {
-            return reporter.clone();
+            return Some(reporter);
         }
         let culprit = self
             .workers
             .iter()
-            .find(|w| !Arc::ptr_eq(w, reporter))
-            .unwrap_or(reporter)
+            .find(|w| !Arc::ptr_eq(w, &reporter))
+            .unwrap_or(&reporter)
             .clone();
         culprit.failed(fault);
-        culprit
+        Some(culprit)
     }
 
     /// The worker of `role` this try runs on.
@@ -490,11 +492,7 @@ impl Run {
         match self.advance().await {
             Advance::Step(step) => step,
             Advance::Failed(role, failure, message) => {
-                if let (Some(reporter), Some(fault)) =
-                    (self.worker(role), TransportFault::of(failure))
-                {
-                    self.lay_blame(&reporter, fault);
-                }
+                self.blame(role, failure);
                 Step::Failed(self.fail(ApiError::from_failure(failure, message)))
             }
         }

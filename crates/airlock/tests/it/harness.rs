@@ -510,6 +510,18 @@ pub fn completion(prompt: &str, max_tokens: usize) -> serde_json::Value {
     })
 }
 
+/// `GET {url}{path}`, its body as JSON.
+pub async fn get_json(url: &str, path: &str) -> serde_json::Value {
+    client()
+        .get(format!("{url}{path}"))
+        .send()
+        .await
+        .expect("answered")
+        .json()
+        .await
+        .expect("a JSON body")
+}
+
 pub async fn metrics(url: &str) -> String {
     client()
         .get(format!("{url}/metrics"))

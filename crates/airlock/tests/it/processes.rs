@@ -653,14 +653,7 @@ fn wait_exit(process: &mut Process, within: Duration) -> std::process::ExitStatu
 
 /// The router's `/health` workers: (address, up, draining).
 async fn workers_health(url: &str) -> Vec<(String, bool, bool)> {
-    let health: serde_json::Value = crate::harness::client()
-        .get(format!("{url}/health"))
-        .send()
-        .await
-        .expect("health")
-        .json()
-        .await
-        .expect("health JSON");
+    let health = crate::harness::get_json(url, "/health").await;
     health["workers"]
         .as_array()
         .expect("workers")
