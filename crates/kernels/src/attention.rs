@@ -101,6 +101,7 @@ pub fn load_key(keys: &[f16], page_size: usize, slot: usize, key: &mut [f32]) {
 /// Positions `0..len` of one K/V head, held in pages of `page_size` positions: `keys[p]` and
 /// `values[p]` are page p's slots for this head, `page_size × head_dim` f16 each, laid out as
 /// the module says.
+#[derive(Clone, Copy)]
 pub struct KvHeadAttention<'a> {
     pub keys: &'a [&'a [f16]],
     pub values: &'a [&'a [f16]],
@@ -263,6 +264,114 @@ impl KvHeadAttention<'_> {
             for (probs, out) in passes {
                 // SAFETY: as above; `out` holds an output head for each row of `probs`.
                 unsafe { (kernels.mix)(self, probs, out) };
+            }
+        });
+    }
+
+    /// `run` for a block of query rows at consecutive positions of one sequence: row i
+    /// (`queries[i]`, the same heads for every row) attends to positions
+    /// `0..len + 1 - rows + i`, so the last row to all `len`, and its heads' outputs go to
+    /// `out[i × width..]`. The same bits as `run` row by row (tested). The AVX-512 kernels
+    /// widen each run of 16 keys and of 16 values from f16 once for the whole block instead
+    /// of once per row, and read them from memory once: what prefill at long prompts spent
+    /// its attention on (ARCHITECTURE.md, "Prefill attention in row blocks").
+    pub fn run_rows(&self, backend: Backend, queries: &[&[f32]], out: &mut [f32]) {
+        let rows = queries.len();
+        assert!(
+            rows > 0 && rows <= self.len - self.masked,
+            "rows that each keep a position"
+        );
+        let width = queries[0].len();
+        assert!(
+            queries.iter().all(|q| q.len() == width) && out.len() == rows * width,
+            "the same heads for every row, and an output for each"
+        );
+        self.check(queries[0], &out[..width]);
+        #[cfg(target_arch = "x86_64")]
+        if rows > 1 && backend == Backend::Avx512Vnni && attention_avx512::fits(self.head_dim) {
+            return self.run_rows_avx512(backend, queries, out);
+        }
+        for (i, (q, out)) in queries.iter().zip(out.chunks_exact_mut(width)).enumerate() {
+            let row = KvHeadAttention {
+                len: self.row_len(rows, i),
+                ..*self
+            };
+            row.run(backend, q, out);
+        }
+    }
+
+    /// How many positions row `i` of a block of `rows` attends to (`run_rows`).
+    fn row_len(&self, rows: usize, i: usize) -> usize {
+        self.len + 1 - rows + i
+    }
+
+    /// `run_rows` in AVX-512: every row's scores for all heads, each row's softmax, then the
+    /// mix, with the rows' probabilities `heads × len` apart.
+    #[cfg(target_arch = "x86_64")]
+    fn run_rows_avx512(&self, backend: Backend, queries: &[&[f32]], out: &mut [f32]) {
+        let (head_dim, len, rows) = (self.head_dim, self.len, queries.len());
+        let width = queries[0].len();
+        let heads = width / head_dim;
+        let block = attention_avx512::RowBlock {
+            rows,
+            first_len: self.row_len(rows, 0),
+            q_stride: width,
+            probs_stride: heads * len,
+        };
+        ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
+            scratch.clear();
+            let tile = attention_avx512::TILE_POSITIONS * head_dim;
+            scratch.resize(rows * width + rows * heads * len + tile, 0.0);
+            let (q16, rest) = scratch.split_at_mut(rows * width);
+            let (probs, tile) = rest.split_at_mut(rows * heads * len);
+            for (q16, q) in q16.chunks_exact_mut(width).zip(queries) {
+                q16.copy_from_slice(q);
+            }
+            // The reference multiplies Q against the f16 cache in f16: round Q the same way.
+            avx2::round_through_f16_in_place(q16);
+            for first_head in (0..heads).step_by(HEADS_PER_PASS) {
+                let g = (heads - first_head).min(HEADS_PER_PASS);
+                // SAFETY: `fits` checked this CPU and head size; `check` ran in `run_rows`
+                // (pages for the last row's `len`); the pass's heads lie within each row's
+                // stride of `q16` and of `probs`, and `tile` holds a run of keys.
+                unsafe {
+                    attention_avx512::scores_of_rows(
+                        self,
+                        &block,
+                        g,
+                        &q16[first_head * head_dim..],
+                        &mut probs[first_head * len..],
+                        tile,
+                    )
+                };
+            }
+            for (i, row) in probs.chunks_exact_mut(heads * len).enumerate() {
+                let row_len = self.row_len(rows, i);
+                let alone = KvHeadAttention {
+                    len: row_len,
+                    ..*self
+                };
+                for head in row.chunks_exact_mut(len) {
+                    let head = &mut head[..row_len];
+                    alone.mask(head);
+                    // Probabilities rounded to f16, as the reference multiplies them by V.
+                    ops::attention_softmax_rows(backend, head, row_len);
+                }
+            }
+            out.fill(0.0);
+            for first_head in (0..heads).step_by(HEADS_PER_PASS) {
+                let g = (heads - first_head).min(HEADS_PER_PASS);
+                // SAFETY: as above, with `out` a row of `width` values for each row.
+                unsafe {
+                    attention_avx512::mix_of_rows(
+                        self,
+                        &block,
+                        g,
+                        &probs[first_head * len..],
+                        &mut out[first_head * head_dim..],
+                        tile,
+                    )
+                };
             }
         });
     }

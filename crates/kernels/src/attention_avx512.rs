@@ -16,6 +16,95 @@ pub(crate) const KERNELS: GroupedKernels = GroupedKernels {
     mix: x86::mix_of_heads,
 };
 
+/// Positions per run of the row-block kernels: one register of keys, widened to f32 once for
+/// every row of a block.
+pub(crate) const TILE_POSITIONS: usize = 16;
+
+/// A block of query rows at consecutive positions of one sequence
+/// (`KvHeadAttention::run_rows`): row i attends to `first_len + i` positions; its queries
+/// start `q_stride` values after row i − 1's, its scores `probs_stride` after.
+pub(crate) struct RowBlock {
+    pub rows: usize,
+    pub first_len: usize,
+    pub q_stride: usize,
+    pub probs_stride: usize,
+}
+
+impl RowBlock {
+    /// The first row that attends to position `pos`.
+    fn first_row_at(&self, pos: usize) -> usize {
+        (pos + 1).saturating_sub(self.first_len)
+    }
+}
+
+/// Every row's scores for `g` heads (1 to `HEADS_PER_PASS`): `probs[i × probs_stride + h ×
+/// len + pos]` for row i's head h and its positions, each `attention::score_dot` of its
+/// rounded query `q[i × q_stride + h × head_dim..]`, as `scores_of_heads` computes it for the
+/// row alone.
+///
+/// # Safety
+/// The CPU must support avx512f/bw/vl, fma and f16c; `att` passed `KvHeadAttention::check`
+/// with `head_dim` a multiple of 16 and `len` the last row's; `tile` holds
+/// `TILE_POSITIONS × head_dim` values.
+pub(crate) unsafe fn scores_of_rows(
+    att: &crate::KvHeadAttention,
+    block: &RowBlock,
+    g: usize,
+    q: &[f32],
+    probs: &mut [f32],
+    tile: &mut [f32],
+) {
+    let last = block.rows - 1;
+    assert!(
+        q.len() >= last * block.q_stride + g * att.head_dim
+            && probs.len() >= last * block.probs_stride + g * att.len
+            && tile.len() >= TILE_POSITIONS * att.head_dim
+            && block.first_len + last == att.len,
+        "a block's queries, scores and tile"
+    );
+    // SAFETY: the caller's contract; the bounds of every slice just checked.
+    unsafe {
+        match g {
+            3 => x86::scores_of_rows::<3>(att, block, q, probs, tile),
+            2 => x86::scores_of_rows::<2>(att, block, q, probs, tile),
+            _ => x86::scores_of_rows::<1>(att, block, q, probs, tile),
+        }
+    }
+}
+
+/// Every row's mix for `g` heads: `out[i × q_stride + h × head_dim..]` gains
+/// `Σ_pos probs[i × probs_stride + h × len + pos] · value_pos` over row i's positions, each
+/// output value one chain of FMAs in position order from what `out` held (zero for the bits
+/// of `mix_of_heads`).
+///
+/// # Safety
+/// As [`scores_of_rows`], with `probs` the rows' probabilities and `out` strided as `q`.
+pub(crate) unsafe fn mix_of_rows(
+    att: &crate::KvHeadAttention,
+    block: &RowBlock,
+    g: usize,
+    probs: &[f32],
+    out: &mut [f32],
+    tile: &mut [f32],
+) {
+    let last = block.rows - 1;
+    assert!(
+        out.len() >= last * block.q_stride + g * att.head_dim
+            && probs.len() >= last * block.probs_stride + g * att.len
+            && tile.len() >= TILE_POSITIONS * att.head_dim
+            && block.first_len + last == att.len,
+        "a block's probabilities, outputs and tile"
+    );
+    // SAFETY: the caller's contract; the bounds of every slice just checked.
+    unsafe {
+        match g {
+            3 => x86::mix_of_rows::<3>(att, block, probs, out, tile),
+            2 => x86::mix_of_rows::<2>(att, block, probs, out, tile),
+            _ => x86::mix_of_rows::<1>(att, block, probs, out, tile),
+        }
+    }
+}
+
 /// One row of `ops::attention_softmax_rows`, in AVX-512.
 ///
 /// # Safety
@@ -49,6 +138,7 @@ pub(crate) unsafe fn softmax_row_to_f16(row: &mut [f32]) {
 // function's (`# Safety`), so the bodies are not split into per-line unsafe blocks.
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
+    use super::{RowBlock, TILE_POSITIONS};
     use crate::attention::{KvHeadAttention, RunPrefetch};
     use crate::expf::x86_512::first_lanes;
     use std::arch::x86_64::*;
@@ -167,6 +257,145 @@ mod x86 {
                 for (c, acc) in acc.iter().enumerate().take(chunks) {
                     _mm512_storeu_ps(out.as_mut_ptr().add(g * hd + part + 16 * c), *acc);
                 }
+            }
+        }
+    }
+
+    /// `super::scores_of_rows` for G heads: each run of up to 16 keys is widened into `tile`
+    /// (dimension-major, 16 to a dimension) once, then scored for every row that reaches it
+    /// with the chains of `scores`, folded by that row's own written slots of the page.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub(super) unsafe fn scores_of_rows<const G: usize>(
+        att: &KvHeadAttention,
+        block: &RowBlock,
+        q: &[f32],
+        probs: &mut [f32],
+        tile: &mut [f32],
+    ) {
+        let (hd, len, ps) = (att.head_dim, att.len, att.page_size);
+        let scale = _mm512_set1_ps(att.scale);
+        let tile = tile.as_mut_ptr();
+        for run in att.key_runs(TILE_POSITIONS) {
+            let mask = first_lanes(run.n);
+            let keys = att.keys[run.page].as_ptr().add(run.slot);
+            let prefetch = RunPrefetch::new(att, run);
+            for d in 0..hd {
+                if d % 2 == 0 {
+                    prefetch.line(d / 2);
+                }
+                // A masked load reads only the run's slots (faults suppressed past them);
+                // the lanes past the run widen to 0.
+                let at = keys.add(d * ps) as *const i16;
+                let k = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, at));
+                _mm512_storeu_ps(tile.add(d * TILE_POSITIONS), k);
+            }
+            let pos = run.pos(ps);
+            for i in block.first_row_at(pos)..block.rows {
+                let row_len = block.first_len + i;
+                let n = run.n.min(row_len - pos);
+                let q = q.as_ptr().add(i * block.q_stride);
+                let mut lanes = [[_mm512_setzero_ps(); 8]; G];
+                for c in 0..hd / 8 {
+                    for l in 0..8 {
+                        let d = 8 * c + l;
+                        let k = _mm512_loadu_ps(tile.add(d * TILE_POSITIONS));
+                        for (g, lanes) in lanes.iter_mut().enumerate() {
+                            let qd = _mm512_set1_ps(*q.add(g * hd + d));
+                            lanes[l] = _mm512_fmadd_ps(qd, k, lanes[l]);
+                        }
+                    }
+                }
+                // As `scores`, with this row's written slots of the page and its run.
+                let written = (row_len - run.page * ps).min(ps);
+                let pairs = (written / 4 * 4).saturating_sub(run.slot).min(n);
+                let row = probs.as_mut_ptr().add(i * block.probs_stride);
+                for (g, l) in lanes.iter().enumerate() {
+                    let add = |a, b| _mm512_add_ps(a, b);
+                    let by_pairs = add(
+                        add(add(l[0], l[1]), add(l[2], l[3])),
+                        add(add(l[4], l[5]), add(l[6], l[7])),
+                    );
+                    let dot = if pairs == n {
+                        by_pairs
+                    } else {
+                        let by_halves = add(
+                            add(add(l[0], l[4]), add(l[2], l[6])),
+                            add(add(l[1], l[5]), add(l[3], l[7])),
+                        );
+                        _mm512_mask_blend_ps(first_lanes(pairs), by_halves, by_pairs)
+                    };
+                    let dst = row.add(g * len + pos);
+                    _mm512_mask_storeu_ps(dst, first_lanes(n), _mm512_mul_ps(dot, scale));
+                }
+            }
+        }
+    }
+
+    /// `super::mix_of_rows` for G heads: each run of up to 16 values is widened into `tile`
+    /// (slot-major) once, then added into every row that reaches it, 64 values of each head
+    /// at a time, the sums loaded from and stored back to `out` around the run.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    pub(super) unsafe fn mix_of_rows<const G: usize>(
+        att: &KvHeadAttention,
+        block: &RowBlock,
+        probs: &[f32],
+        out: &mut [f32],
+        tile: &mut [f32],
+    ) {
+        let (hd, len, ps) = (att.head_dim, att.len, att.page_size);
+        let tile = tile.as_mut_ptr();
+        for run in att.key_runs(TILE_POSITIONS) {
+            let values = att.values[run.page].as_ptr().add(run.slot * hd);
+            for i in (0..run.n * hd).step_by(16) {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(values.add(i) as *const __m256i));
+                _mm512_storeu_ps(tile.add(i), v);
+            }
+            let pos = run.pos(ps);
+            for i in block.first_row_at(pos)..block.rows {
+                let n = run.n.min(block.first_len + i - pos);
+                let p = probs.as_ptr().add(i * block.probs_stride + pos);
+                let row = out.as_mut_ptr().add(i * block.q_stride);
+                for part in (0..hd).step_by(64) {
+                    let (out, tile) = (row.add(part), tile.add(part) as *const f32);
+                    match (hd - part) / 16 {
+                        1 => mix_run::<G, 1>(out, p, tile, n, hd, len),
+                        2 => mix_run::<G, 2>(out, p, tile, n, hd, len),
+                        3 => mix_run::<G, 3>(out, p, tile, n, hd, len),
+                        _ => mix_run::<G, 4>(out, p, tile, n, hd, len),
+                    }
+                }
+            }
+        }
+    }
+
+    /// One row's sums for `C` registers of each of G heads' values (at `out`, heads `hd`
+    /// apart), plus `n` slots of a widened run (`tile`, slot-major, `hd` to a slot) weighted by
+    /// `p` (heads `len` apart). Whole registers, so the sums stay in registers across the run.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    #[inline]
+    unsafe fn mix_run<const G: usize, const C: usize>(
+        out: *mut f32,
+        p: *const f32,
+        tile: *const f32,
+        n: usize,
+        hd: usize,
+        len: usize,
+    ) {
+        let mut acc: [[__m512; C]; G] = std::array::from_fn(|g| {
+            std::array::from_fn(|c| _mm512_loadu_ps(out.add(g * hd + 16 * c)))
+        });
+        for slot in 0..n {
+            let w: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(*p.add(g * len + slot)));
+            for c in 0..C {
+                let v = _mm512_loadu_ps(tile.add(slot * hd + 16 * c));
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    acc[c] = _mm512_fmadd_ps(*w, v, acc[c]);
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (c, acc) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.add(g * hd + 16 * c), *acc);
             }
         }
     }

@@ -841,6 +841,135 @@ fn grouped_attention_agrees_with_per_head_arithmetic_and_not_with_its_group() {
     }
 }
 
+/// A block of rows at consecutive positions (`run_rows`, prefill's attention) gets, on every
+/// backend, the bits each row gets alone from `run`: blocks that start and end mid-page, on a
+/// page boundary, inside a four-key group, with rows that see only part of the last run of
+/// keys, under a window's mask, and head sizes the block kernels do not take (the row-by-row
+/// fallback). Slots past the last row's length hold NaN, so a read past it shows.
+#[test]
+fn a_block_of_rows_gets_the_bits_of_each_row_alone() {
+    let mut rng = SplitMix64::new(57);
+    for (head_dim, heads, page_size, len, rows, masked) in [
+        (64, 3, 16, 2, 2, 0),
+        (64, 3, 16, 16, 5, 0),
+        (64, 3, 16, 37, 8, 0),
+        (64, 3, 16, 37, 37, 0),
+        (64, 3, 16, 300, 16, 0),
+        (64, 2, 8, 77, 11, 0),
+        (64, 1, 32, 100, 9, 0),
+        (64, 4, 16, 130, 7, 0),
+        (128, 3, 16, 50, 6, 0),
+        (256, 2, 16, 40, 4, 0),
+        (64, 3, 16, 60, 10, 7),
+        (48, 3, 16, 40, 6, 0),
+        (24, 3, 4, 11, 3, 0),
+    ] {
+        let keys = random_pages(&mut rng, Kind::Keys, len, page_size, head_dim);
+        let values = random_pages(&mut rng, Kind::Values, len, page_size, head_dim);
+        let key_pages: Vec<&[f16]> = keys.iter().map(Vec::as_slice).collect();
+        let value_pages: Vec<&[f16]> = values.iter().map(Vec::as_slice).collect();
+        let attention = KvHeadAttention {
+            keys: &key_pages,
+            values: &value_pages,
+            page_size,
+            head_dim,
+            len,
+            masked,
+            scale: 0.125,
+        };
+        let width = heads * head_dim;
+        let queries: Vec<f32> = (0..rows * width).map(|_| rng.signed_f32() * 4.0).collect();
+        let query_rows: Vec<&[f32]> = queries.chunks_exact(width).collect();
+        #[cfg(target_arch = "x86_64")]
+        block_scores_match_each_row_alone(&attention, &query_rows);
+        for backend in Backend::available() {
+            let case = format!("{backend:?} head_dim {head_dim} heads {heads} page {page_size} len {len} rows {rows}");
+            let mut together = vec![f32::NAN; rows * width];
+            attention.run_rows(backend, &query_rows, &mut together);
+            for (i, (q, got)) in query_rows
+                .iter()
+                .zip(together.chunks_exact(width))
+                .enumerate()
+            {
+                let alone = KvHeadAttention {
+                    len: len + 1 - rows + i,
+                    ..attention
+                };
+                let mut want = vec![0f32; width];
+                alone.run(backend, q, &mut want);
+                assert!(
+                    got.iter().all(|v| v.is_finite()),
+                    "{case}: row {i} read past its length"
+                );
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(&want), "{case}: row {i}");
+            }
+        }
+    }
+}
+
+/// The block scores kernel's raw scores, bit for bit the per-row kernel's: softmax's rounding
+/// to f16 would hide most low-bit differences (a row folding a page's last keys as another
+/// row's length would fold them, say), so the scores are compared before it.
+#[cfg(target_arch = "x86_64")]
+fn block_scores_match_each_row_alone(attention: &KvHeadAttention, queries: &[&[f32]]) {
+    use crate::attention_avx512::{self, RowBlock, TILE_POSITIONS};
+    let (head_dim, len, rows) = (attention.head_dim, attention.len, queries.len());
+    if !attention_avx512::fits(head_dim) || rows < 2 {
+        return;
+    }
+    let width = queries[0].len();
+    let heads = width / head_dim;
+    let block = RowBlock {
+        rows,
+        first_len: len + 1 - rows,
+        q_stride: width,
+        probs_stride: heads * len,
+    };
+    let q: Vec<f32> = queries.concat();
+    let mut together = vec![f32::NAN; rows * heads * len];
+    let mut tile = vec![0f32; TILE_POSITIONS * head_dim];
+    for first in (0..heads).step_by(crate::attention::HEADS_PER_PASS) {
+        let g = (heads - first).min(crate::attention::HEADS_PER_PASS);
+        // SAFETY: `fits` checked the CPU and head size; the attention's pages are whole
+        // for `len`, and the slices are the block's.
+        unsafe {
+            attention_avx512::scores_of_rows(
+                attention,
+                &block,
+                g,
+                &q[first * head_dim..],
+                &mut together[first * len..],
+                &mut tile,
+            )
+        };
+    }
+    for (i, q) in queries.iter().enumerate() {
+        let row_len = len + 1 - rows + i;
+        let alone = KvHeadAttention {
+            len: row_len,
+            ..*attention
+        };
+        let mut want = vec![0f32; heads * row_len];
+        for (q, want) in q
+            .chunks(crate::attention::HEADS_PER_PASS * head_dim)
+            .zip(want.chunks_mut(crate::attention::HEADS_PER_PASS * row_len))
+        {
+            // SAFETY: as above, with the row's own length.
+            unsafe { (attention_avx512::KERNELS.scores)(&alone, q, want) };
+        }
+        for (h, want) in want.chunks_exact(row_len).enumerate() {
+            let got = &together[i * heads * len + h * len..][..row_len];
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(got),
+                bits(want),
+                "len {len} rows {rows}: row {i} head {h}"
+            );
+        }
+    }
+}
+
 /// Attention prefetches only pages whose every slot holds a position below `len`: a slot
 /// past it may hold an earlier owner's bytes.
 #[test]

@@ -67,6 +67,8 @@ struct Buffers {
     normed: Vec<f32>,
     qkv: Vec<f32>,
     attn: Vec<f32>,
+    /// Attention's output K/V-head-major when prefill runs in row blocks (`attend_blocks`).
+    attn_by_head: Vec<f32>,
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     hidden: Vec<f32>,
@@ -237,6 +239,7 @@ impl Model {
             normed: vec![0.0; rows * c.dim],
             qkv: vec![0.0; rows * (c.q_dim() + 2 * c.kv_dim())],
             attn: vec![0.0; rows * c.q_dim()],
+            attn_by_head: Vec::new(),
             proj: vec![0.0; rows * c.dim],
             gate_up: vec![0.0; rows * 2 * c.ffn_dim],
             hidden: vec![0.0; rows * c.ffn_dim],
@@ -493,7 +496,7 @@ impl Model {
             self.decode_attention(layer, rows, &mut b.qkv, views, &mut b.attn, &mut b.acts);
         } else {
             self.rotate_and_store_kv(layer, rows, &mut b.qkv, views);
-            self.attend(layer, rows, &b.qkv, views, &mut b.attn);
+            self.attend(layer, rows, &b.qkv, views, &mut b.attn, &mut b.attn_by_head);
             self.fill_and_quantize(&mut b.attn, c.q_dim(), &mut b.acts, &|_, _| {});
         }
         weights
@@ -552,9 +555,14 @@ impl Model {
         qkv: &[f32],
         views: &[PageView],
         out: &mut [f32],
+        by_head: &mut Vec<f32>,
     ) {
         if let Some(build) = self.exact() {
             return self.attend_exact(build, layer, rows, qkv, views, out);
+        }
+        let blocks = row_blocks(rows, self.rows_per_block(rows));
+        if blocks.len() < rows.len() {
+            return self.attend_blocks(layer, rows, &blocks, qkv, views, out, by_head);
         }
         let c = &self.config;
         // The query heads that share a K/V head go in one task, which widens each key and
@@ -569,6 +577,88 @@ impl Model {
         self.for_each_head(rows, qkv, views, out, heads_per_task, &|task, out| {
             self.attend_heads(layer, &task, out)
         });
+    }
+
+    /// How many rows of one sequence a prefill attention task takes (`attend_blocks`): as
+    /// many as keep the block's scores (`rows × group × positions` f32) within about a
+    /// quarter of a core's L2, and at least 4 tasks per thread.
+    fn rows_per_block(&self, rows: &[RowSource]) -> usize {
+        let c = &self.config;
+        let positions = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
+        let fits = BLOCK_SCORES_BYTES / (c.group_size() * positions * 4).max(1);
+        let spread = (rows.len() * c.kv_head_count).div_ceil(4 * self.workers.threads());
+        fits.min(spread).clamp(1, MAX_ROWS_PER_BLOCK)
+    }
+
+    /// Prefill's attention in blocks of rows at consecutive positions of one sequence, one
+    /// task per (block, K/V head), K/V-head-major: `KvHeadAttention::run_rows` reads each run
+    /// of a head's keys and values once for the block and widens it once, where a task per
+    /// row read and widened it per row. The outputs go K/V-head-major into `by_head`, so that
+    /// each task owns one contiguous range, then into `out`'s rows. Bits as `attend_heads`
+    /// row by row (the kernels' tests; `prefill_in_row_blocks_matches_one_row_at_a_time`).
+    #[allow(clippy::too_many_arguments)]
+    fn attend_blocks(
+        &self,
+        layer: usize,
+        rows: &[RowSource],
+        blocks: &[std::ops::Range<usize>],
+        qkv: &[f32],
+        views: &[PageView],
+        out: &mut [f32],
+        by_head: &mut Vec<f32>,
+    ) {
+        let c = &self.config;
+        let group_width = c.group_size() * c.head_dim;
+        let qkv_width = c.q_dim() + 2 * c.kv_dim();
+        by_head.clear();
+        by_head.resize(out.len(), 0.0);
+        let mut tasks = Vec::with_capacity(blocks.len() * c.kv_head_count);
+        let mut rest = &mut by_head[..];
+        for kv_head in 0..c.kv_head_count {
+            for block in blocks {
+                let (task_out, tail) = rest.split_at_mut(block.len() * group_width);
+                rest = tail;
+                tasks.push((kv_head, block.clone(), task_out));
+            }
+        }
+        self.workers
+            .for_each_item_mut(&mut tasks, |_, (kv_head, block, out)| {
+                let query =
+                    |row: usize| &qkv[row * qkv_width + *kv_head * group_width..][..group_width];
+                let task = |row: usize| HeadTask {
+                    source: rows[row],
+                    view: &views[rows[row].seq],
+                    kv_head: *kv_head,
+                    q: query(row),
+                };
+                let last = task(block.end - 1);
+                if self.first_attended(layer, last.source.pos) > 0 {
+                    // Inside a sliding window every row starts elsewhere: one at a time.
+                    for (row, out) in block.clone().zip(out.chunks_exact_mut(group_width)) {
+                        self.attend_heads(layer, &task(row), out);
+                    }
+                    return;
+                }
+                let (keys, values) = last.pages(layer);
+                let attention = KvHeadAttention {
+                    keys: &keys,
+                    values: &values,
+                    page_size: last.view.layout().page_size_tokens,
+                    head_dim: c.head_dim,
+                    len: last.source.pos + 1,
+                    masked: 0,
+                    scale: c.attention_scale,
+                };
+                let queries: Vec<&[f32]> = block.clone().map(query).collect();
+                attention.run_rows(self.backend, &queries, out);
+            });
+        let heads = by_head.chunks_exact(rows.len() * group_width);
+        for (kv_head, head) in heads.enumerate() {
+            let outputs = out.chunks_exact_mut(c.q_dim());
+            for (out, src) in outputs.zip(head.chunks_exact(group_width)) {
+                out[kv_head * group_width..][..group_width].copy_from_slice(src);
+            }
+        }
     }
 
     /// Attention of a task's query heads over its K/V head (fast kernels).
@@ -698,6 +788,31 @@ impl Model {
         output.matmul(self.backend, &self.workers, &acts, &mut logits);
         Logits::from_values(logits, c.vocab_size)
     }
+}
+
+/// The most bytes of scores a prefill attention block keeps (`Model::rows_per_block`).
+const BLOCK_SCORES_BYTES: usize = 512 << 10;
+/// The most rows in a prefill attention block: past this the keys and values are widened
+/// rarely enough that more rows only cost balance between threads.
+const MAX_ROWS_PER_BLOCK: usize = 16;
+
+/// `rows` cut into blocks of at most `max` rows, each of one sequence at consecutive
+/// positions, in order.
+fn row_blocks(rows: &[RowSource], max: usize) -> Vec<std::ops::Range<usize>> {
+    let mut blocks: Vec<std::ops::Range<usize>> = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        match blocks.last_mut() {
+            Some(block)
+                if block.len() < max
+                    && rows[block.end - 1].seq == row.seq
+                    && rows[block.end - 1].pos + 1 == row.pos =>
+            {
+                block.end = i + 1
+            }
+            _ => blocks.push(i..i + 1),
+        }
+    }
+    blocks
 }
 
 /// Writes one token's K (already rotated) and V into its slot of the sequence's pages.

@@ -556,3 +556,58 @@ fn step_past_written_tokens_is_refused_instead_of_reading_the_previous_owners_kv
     }
     release_all_and_check_pool_is_whole(&mut pool, vec![b]);
 }
+
+/// Prefill attends in blocks of rows at consecutive positions of one sequence
+/// (`KvHeadAttention::run_rows`, whose rows' bits the kernels' tests hold to a row alone).
+/// Here through the model: two prompts prefilled together in one step, their blocks cut at
+/// the sequences' boundary and crossing pages, give every row, bit for bit, the logits that
+/// row gets when its sequence is fed one token per step (one row, the per-row path).
+#[test]
+fn prefill_in_row_blocks_gives_each_row_its_logits_one_token_at_a_time() {
+    let text = "The committee met on Tuesday to review the budget, the schedule and the \
+                open questions about the bridge. ";
+    let prompts: Vec<Vec<u32>> = [150, 97]
+        .iter()
+        .map(|&n| {
+            let tokens = encode(&text.repeat(8));
+            assert!(tokens.len() >= n, "a prompt of {n} tokens");
+            tokens[tokens.len() - n..].to_vec()
+        })
+        .collect();
+    let room = 160;
+    let mut pool = common::pool(4 * room);
+    let together: Vec<PageTable> = (0..2)
+        .map(|i| pool.allocate(owner(1, i), room).unwrap())
+        .collect();
+    let steps: Vec<SeqStep> = together
+        .iter()
+        .zip(&prompts)
+        .map(|(table, prompt)| SeqStep {
+            table,
+            tokens: prompt,
+            start_pos: 0,
+            logits: model::LogitRows::Every,
+        })
+        .collect();
+    let blocks = common::model()
+        .forward(&mut pool, &steps)
+        .expect("both prefills in one step");
+    assert_eq!(blocks.len(), 150 + 97, "a row of logits per prompt token");
+    let mut rows = blocks.rows();
+    let mut tables = together.clone();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let table = pool.allocate(owner(2, i as u64), room).unwrap();
+        for (pos, &token) in prompt.iter().enumerate() {
+            let alone = decode(&mut pool, &table, token, pos);
+            let block = rows.next().expect("a row");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(block) == bits(&alone),
+                "prompt {i} position {pos}: max abs diff {}",
+                max_abs_diff(block, &alone)
+            );
+        }
+        tables.push(table);
+    }
+    release_all_and_check_pool_is_whole(&mut pool, tables);
+}
