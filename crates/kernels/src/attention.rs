@@ -130,6 +130,50 @@ pub(crate) struct GroupedKernels {
     pub mix: unsafe fn(&KvHeadAttention, &[f32], &mut [f32]),
 }
 
+/// A block of query rows at consecutive positions of one sequence
+/// (`KvHeadAttention::run_rows`): row i attends to `first_len + i` positions; its queries
+/// start `q_stride` values after row i − 1's, its scores `probs_stride` after.
+pub(crate) struct RowBlock {
+    pub rows: usize,
+    pub first_len: usize,
+    pub q_stride: usize,
+    pub probs_stride: usize,
+}
+
+impl RowBlock {
+    /// The first row that attends to position `pos`.
+    pub fn first_row_at(&self, pos: usize) -> usize {
+        (pos + 1).saturating_sub(self.first_len)
+    }
+}
+
+/// A row-block pass (`RowKernels`): the attention, the block, `g` heads, the rows' queries or
+/// probabilities, the rows' scores or outputs, and the tile.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type RowPass =
+    unsafe fn(&KvHeadAttention, &RowBlock, usize, &[f32], &mut [f32], &mut [f32]);
+
+/// One ISA's row-block passes over `g` heads (1 to [`HEADS_PER_PASS`]): each run of
+/// `positions` keys, then values, widened into `tile` (`positions × head_dim` values) once
+/// for every row of the block.
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct RowKernels {
+    pub positions: usize,
+    /// Every row's scores: `probs[i × probs_stride + h × len + pos]` for row i's head h, each
+    /// the `score_dot` the row gets alone, from `q[i × q_stride + h × head_dim..]`.
+    ///
+    /// # Safety
+    /// The CPU has the kernels' features; `att` passed `check` with `len` the last row's and
+    /// a head size the kernels take; `tile` holds `positions × head_dim` values.
+    pub scores: RowPass,
+    /// Every row's mix into `out` (strided as `q`), each output value the row's chain of FMAs
+    /// in position order from what `out` held.
+    ///
+    /// # Safety
+    /// As `scores`, with `probs` the rows' probabilities.
+    pub mix: RowPass,
+}
+
 /// Up to a register's worth of consecutive slots of one page, all below `len`: the keys one
 /// register load of a scores kernel holds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -288,8 +332,21 @@ impl KvHeadAttention<'_> {
         );
         self.check(queries[0], &out[..width]);
         #[cfg(target_arch = "x86_64")]
-        if rows > 1 && backend == Backend::Avx512Vnni && attention_avx512::fits(self.head_dim) {
-            return self.run_rows_avx512(backend, queries, out);
+        if rows > 1 {
+            match backend {
+                Backend::Avx512Vnni if attention_avx512::fits(self.head_dim) => {
+                    return self.run_rows_with(
+                        backend,
+                        &attention_avx512::ROW_KERNELS,
+                        queries,
+                        out,
+                    )
+                }
+                Backend::Avx2 | Backend::Avx512Vnni if avx2::attention_fits(self.head_dim) => {
+                    return self.run_rows_with(backend, &avx2::ROW_KERNELS, queries, out)
+                }
+                _ => {}
+            }
         }
         for (i, (q, out)) in queries.iter().zip(out.chunks_exact_mut(width)).enumerate() {
             let row = KvHeadAttention {
@@ -305,14 +362,21 @@ impl KvHeadAttention<'_> {
         self.len + 1 - rows + i
     }
 
-    /// `run_rows` in AVX-512: every row's scores for all heads, each row's softmax, then the
-    /// mix, with the rows' probabilities `heads × len` apart.
+    /// `run_rows` with one ISA's kernels, which the caller has checked this CPU and head size
+    /// take: every row's scores for all heads, each row's softmax, then the mix, with the
+    /// rows' probabilities `heads × len` apart.
     #[cfg(target_arch = "x86_64")]
-    fn run_rows_avx512(&self, backend: Backend, queries: &[&[f32]], out: &mut [f32]) {
+    fn run_rows_with(
+        &self,
+        backend: Backend,
+        kernels: &RowKernels,
+        queries: &[&[f32]],
+        out: &mut [f32],
+    ) {
         let (head_dim, len, rows) = (self.head_dim, self.len, queries.len());
         let width = queries[0].len();
         let heads = width / head_dim;
-        let block = attention_avx512::RowBlock {
+        let block = RowBlock {
             rows,
             first_len: self.row_len(rows, 0),
             q_stride: width,
@@ -320,7 +384,7 @@ impl KvHeadAttention<'_> {
         };
         ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
             scratch.clear();
-            let tile = attention_avx512::TILE_POSITIONS * head_dim;
+            let tile = kernels.positions * head_dim;
             scratch.resize(rows * width + rows * heads * len + tile, 0.0);
             let (q16, rest) = scratch.split_at_mut(rows * width);
             let (probs, tile) = rest.split_at_mut(rows * heads * len);
@@ -331,11 +395,11 @@ impl KvHeadAttention<'_> {
             avx2::round_through_f16_in_place(q16);
             for first_head in (0..heads).step_by(HEADS_PER_PASS) {
                 let g = (heads - first_head).min(HEADS_PER_PASS);
-                // SAFETY: `fits` checked this CPU and head size; `check` ran in `run_rows`
-                // (pages for the last row's `len`); the pass's heads lie within each row's
-                // stride of `q16` and of `probs`, and `tile` holds a run of keys.
+                // SAFETY: the caller checked this CPU and head size; `check` ran in
+                // `run_rows` (pages for the last row's `len`); the pass's heads lie within
+                // each row's stride of `q16` and of `probs`, and `tile` holds a run of keys.
                 unsafe {
-                    attention_avx512::scores_of_rows(
+                    (kernels.scores)(
                         self,
                         &block,
                         g,
@@ -363,7 +427,7 @@ impl KvHeadAttention<'_> {
                 let g = (heads - first_head).min(HEADS_PER_PASS);
                 // SAFETY: as above, with `out` a row of `width` values for each row.
                 unsafe {
-                    attention_avx512::mix_of_rows(
+                    (kernels.mix)(
                         self,
                         &block,
                         g,

@@ -3,7 +3,7 @@
 //! 16 keys is loaded under a mask, which reads nothing past the run: a slot past `len` may
 //! hold an earlier owner's bytes.
 
-use crate::attention::GroupedKernels;
+use crate::attention::{GroupedKernels, RowBlock, RowKernels};
 
 /// Whether these kernels take a head of `head_dim` values on this CPU (whole registers).
 pub(crate) fn fits(head_dim: usize) -> bool {
@@ -20,22 +20,12 @@ pub(crate) const KERNELS: GroupedKernels = GroupedKernels {
 /// every row of a block.
 pub(crate) const TILE_POSITIONS: usize = 16;
 
-/// A block of query rows at consecutive positions of one sequence
-/// (`KvHeadAttention::run_rows`): row i attends to `first_len + i` positions; its queries
-/// start `q_stride` values after row i − 1's, its scores `probs_stride` after.
-pub(crate) struct RowBlock {
-    pub rows: usize,
-    pub first_len: usize,
-    pub q_stride: usize,
-    pub probs_stride: usize,
-}
-
-impl RowBlock {
-    /// The first row that attends to position `pos`.
-    fn first_row_at(&self, pos: usize) -> usize {
-        (pos + 1).saturating_sub(self.first_len)
-    }
-}
+/// The AVX-512 row-block kernels, for a head size that [`fits`].
+pub(crate) const ROW_KERNELS: RowKernels = RowKernels {
+    positions: TILE_POSITIONS,
+    scores: scores_of_rows,
+    mix: mix_of_rows,
+};
 
 /// Every row's scores for `g` heads (1 to `HEADS_PER_PASS`): `probs[i × probs_stride + h ×
 /// len + pos]` for row i's head h and its positions, each `attention::score_dot` of its
@@ -138,8 +128,8 @@ pub(crate) unsafe fn softmax_row_to_f16(row: &mut [f32]) {
 // function's (`# Safety`), so the bodies are not split into per-line unsafe blocks.
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use super::{RowBlock, TILE_POSITIONS};
-    use crate::attention::{KvHeadAttention, RunPrefetch};
+    use super::TILE_POSITIONS;
+    use crate::attention::{KvHeadAttention, RowBlock, RunPrefetch};
     use crate::expf::x86_512::first_lanes;
     use std::arch::x86_64::*;
 

@@ -113,6 +113,71 @@ pub(crate) const ATTENTION_KERNELS: crate::attention::GroupedKernels =
         mix: x86::mix_of_heads,
     };
 
+/// The AVX2 row-block kernels (`KvHeadAttention::run_rows`), for a head size that
+/// `attention_fits`: runs of 8 keys and values widened once per block.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const ROW_KERNELS: crate::attention::RowKernels = crate::attention::RowKernels {
+    positions: 8,
+    scores: scores_of_rows,
+    mix: mix_of_rows,
+};
+
+/// Every row's scores, head by head (`attention::RowKernels::scores`).
+///
+/// # Safety
+/// The CPU must support avx2, fma and f16c; as `RowKernels::scores` otherwise.
+#[cfg(target_arch = "x86_64")]
+unsafe fn scores_of_rows(
+    att: &crate::KvHeadAttention,
+    block: &crate::attention::RowBlock,
+    g: usize,
+    q: &[f32],
+    probs: &mut [f32],
+    tile: &mut [f32],
+) {
+    let last = block.rows - 1;
+    assert!(
+        q.len() >= last * block.q_stride + g * att.head_dim
+            && probs.len() >= last * block.probs_stride + g * att.len
+            && tile.len() >= 8 * att.head_dim
+            && block.first_len + last == att.len,
+        "a block's queries, scores and tile"
+    );
+    // SAFETY: the caller's contract; the bounds of every slice just checked.
+    unsafe { x86::scores_of_rows(att, block, g, q, probs, tile) }
+}
+
+/// Every row's mix (`attention::RowKernels::mix`).
+///
+/// # Safety
+/// As [`scores_of_rows`], with `probs` the rows' probabilities and `out` strided as `q`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn mix_of_rows(
+    att: &crate::KvHeadAttention,
+    block: &crate::attention::RowBlock,
+    g: usize,
+    probs: &[f32],
+    out: &mut [f32],
+    tile: &mut [f32],
+) {
+    let last = block.rows - 1;
+    assert!(
+        out.len() >= last * block.q_stride + g * att.head_dim
+            && probs.len() >= last * block.probs_stride + g * att.len
+            && tile.len() >= 8 * att.head_dim
+            && block.first_len + last == att.len,
+        "a block's probabilities, outputs and tile"
+    );
+    // SAFETY: the caller's contract; the bounds of every slice just checked.
+    unsafe {
+        match g {
+            3 => x86::mix_of_rows::<3>(att, block, probs, out, tile),
+            2 => x86::mix_of_rows::<2>(att, block, probs, out, tile),
+            _ => x86::mix_of_rows::<1>(att, block, probs, out, tile),
+        }
+    }
+}
+
 /// Rounds each value of `x` to f16 and back, in place.
 pub(crate) fn round_through_f16_in_place(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -131,7 +196,7 @@ pub(crate) fn round_through_f16_in_place(x: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[allow(unsafe_op_in_unsafe_fn)]
 mod x86 {
-    use crate::attention::{score_dot, Fold, KeyRun, KvHeadAttention, RunPrefetch};
+    use crate::attention::{score_dot, Fold, KeyRun, KvHeadAttention, RowBlock, RunPrefetch};
     use crate::layout::{
         GroupJob, Q41GroupBlock, Q50GroupBlock, Q80GroupBlock, Q8OffsetGroupBlock, GROUP_ROWS,
         Q41_LANE_ROW,
@@ -623,6 +688,145 @@ mod x86 {
                 for (c, acc) in acc.iter().enumerate().take(chunks) {
                     _mm256_storeu_ps(out.as_mut_ptr().add(g * hd + part + 8 * c), *acc);
                 }
+            }
+        }
+    }
+
+    /// `super::scores_of_rows`: each run of up to 8 keys widened into `tile` (dimension-major,
+    /// 8 to a dimension) once, then scored for every row and head that reaches it with the
+    /// chains of `scores_of_head`; a row whose part of the run is short of a register or
+    /// folds in halves takes `score_keys_one_by_one`, as it does alone.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores_of_rows(
+        att: &KvHeadAttention,
+        block: &RowBlock,
+        g: usize,
+        q: &[f32],
+        probs: &mut [f32],
+        tile: &mut [f32],
+    ) {
+        let (hd, len, ps) = (att.head_dim, att.len, att.page_size);
+        let scale = _mm256_set1_ps(att.scale);
+        let tile = tile.as_mut_ptr();
+        for run in att.key_runs(8) {
+            let keys = att.keys[run.page].as_ptr().add(run.slot);
+            if run.n == 8 {
+                let prefetch = RunPrefetch::new(att, run);
+                for d in 0..hd {
+                    if d % 2 == 0 {
+                        prefetch.line(d / 2);
+                    }
+                    let k = _mm256_cvtph_ps(_mm_loadu_si128(keys.add(d * ps) as *const __m128i));
+                    _mm256_storeu_ps(tile.add(d * 8), k);
+                }
+            }
+            let pos = run.pos(ps);
+            for i in block.first_row_at(pos)..block.rows {
+                let row_len = block.first_len + i;
+                let n = run.n.min(row_len - pos);
+                let written = (row_len - run.page * ps).min(ps);
+                let pairs = (written / 4 * 4).saturating_sub(run.slot).min(n);
+                let row_probs = &mut probs[i * block.probs_stride..];
+                let row_q = &q[i * block.q_stride..];
+                if n < 8 || pairs < n {
+                    let alone = KvHeadAttention {
+                        len: row_len,
+                        ..*att
+                    };
+                    let run = KeyRun { n, ..run };
+                    for h in 0..g {
+                        let q = &row_q[h * hd..][..hd];
+                        score_keys_one_by_one(&alone, q, &mut row_probs[h * len..], run);
+                    }
+                    continue;
+                }
+                for h in 0..g {
+                    let q = row_q.as_ptr().add(h * hd);
+                    let mut l = [_mm256_setzero_ps(); 8];
+                    for c in 0..hd / 8 {
+                        for (lane, sum) in l.iter_mut().enumerate() {
+                            let d = 8 * c + lane;
+                            let k = _mm256_loadu_ps(tile.add(d * 8));
+                            *sum = _mm256_fmadd_ps(_mm256_set1_ps(*q.add(d)), k, *sum);
+                        }
+                    }
+                    let add = |a, b| _mm256_add_ps(a, b);
+                    let dot = add(
+                        add(add(l[0], l[1]), add(l[2], l[3])),
+                        add(add(l[4], l[5]), add(l[6], l[7])),
+                    );
+                    let dst = row_probs.as_mut_ptr().add(h * len + pos);
+                    _mm256_storeu_ps(dst, _mm256_mul_ps(dot, scale));
+                }
+            }
+        }
+    }
+
+    /// `super::mix_of_rows` for G heads: each run of up to 8 values widened into `tile`
+    /// (slot-major) once, then added into every row that reaches it, 32 values of each head
+    /// at a time, the sums loaded from and stored back to `out` around the run.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn mix_of_rows<const G: usize>(
+        att: &KvHeadAttention,
+        block: &RowBlock,
+        probs: &[f32],
+        out: &mut [f32],
+        tile: &mut [f32],
+    ) {
+        let (hd, len, ps) = (att.head_dim, att.len, att.page_size);
+        let tile = tile.as_mut_ptr();
+        for run in att.key_runs(8) {
+            let values = att.values[run.page].as_ptr().add(run.slot * hd);
+            for i in (0..run.n * hd).step_by(8) {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(values.add(i) as *const __m128i));
+                _mm256_storeu_ps(tile.add(i), v);
+            }
+            let pos = run.pos(ps);
+            for i in block.first_row_at(pos)..block.rows {
+                let n = run.n.min(block.first_len + i - pos);
+                let p = probs.as_ptr().add(i * block.probs_stride + pos);
+                let row = out.as_mut_ptr().add(i * block.q_stride);
+                for part in (0..hd).step_by(32) {
+                    let (out, tile) = (row.add(part), tile.add(part) as *const f32);
+                    match (hd - part) / 8 {
+                        1 => mix_run::<G, 1>(out, p, tile, n, hd, len),
+                        2 => mix_run::<G, 2>(out, p, tile, n, hd, len),
+                        3 => mix_run::<G, 3>(out, p, tile, n, hd, len),
+                        _ => mix_run::<G, 4>(out, p, tile, n, hd, len),
+                    }
+                }
+            }
+        }
+    }
+
+    /// One row's sums for `C` registers of each of G heads' values (at `out`, heads `hd`
+    /// apart), plus `n` slots of a widened run (`tile`, slot-major, `hd` to a slot) weighted by
+    /// `p` (heads `len` apart).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn mix_run<const G: usize, const C: usize>(
+        out: *mut f32,
+        p: *const f32,
+        tile: *const f32,
+        n: usize,
+        hd: usize,
+        len: usize,
+    ) {
+        let mut acc: [[__m256; C]; G] = std::array::from_fn(|g| {
+            std::array::from_fn(|c| _mm256_loadu_ps(out.add(g * hd + 8 * c)))
+        });
+        for slot in 0..n {
+            let w: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(*p.add(g * len + slot)));
+            for c in 0..C {
+                let v = _mm256_loadu_ps(tile.add(slot * hd + 8 * c));
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    acc[c] = _mm256_fmadd_ps(*w, v, acc[c]);
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (c, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add(g * hd + 8 * c), *acc);
             }
         }
     }

@@ -908,64 +908,80 @@ fn a_block_of_rows_gets_the_bits_of_each_row_alone() {
     }
 }
 
-/// The block scores kernel's raw scores, bit for bit the per-row kernel's: softmax's rounding
-/// to f16 would hide most low-bit differences (a row folding a page's last keys as another
-/// row's length would fold them, say), so the scores are compared before it.
+/// Each ISA's block scores kernel's raw scores, bit for bit its per-row kernel's: softmax's
+/// rounding to f16 would hide most low-bit differences (a row folding a page's last keys as
+/// another row's length would fold them, say), so the scores are compared before it.
 #[cfg(target_arch = "x86_64")]
 fn block_scores_match_each_row_alone(attention: &KvHeadAttention, queries: &[&[f32]]) {
-    use crate::attention_avx512::{self, RowBlock, TILE_POSITIONS};
+    use crate::attention::{GroupedKernels, RowBlock, RowKernels, HEADS_PER_PASS};
+    use crate::{attention_avx512, avx2};
     let (head_dim, len, rows) = (attention.head_dim, attention.len, queries.len());
-    if !attention_avx512::fits(head_dim) || rows < 2 {
-        return;
-    }
-    let width = queries[0].len();
-    let heads = width / head_dim;
-    let block = RowBlock {
-        rows,
-        first_len: len + 1 - rows,
-        q_stride: width,
-        probs_stride: heads * len,
-    };
-    let q: Vec<f32> = queries.concat();
-    let mut together = vec![f32::NAN; rows * heads * len];
-    let mut tile = vec![0f32; TILE_POSITIONS * head_dim];
-    for first in (0..heads).step_by(crate::attention::HEADS_PER_PASS) {
-        let g = (heads - first).min(crate::attention::HEADS_PER_PASS);
-        // SAFETY: `fits` checked the CPU and head size; the attention's pages are whole
-        // for `len`, and the slices are the block's.
-        unsafe {
-            attention_avx512::scores_of_rows(
-                attention,
-                &block,
-                g,
-                &q[first * head_dim..],
-                &mut together[first * len..],
-                &mut tile,
-            )
-        };
-    }
-    for (i, q) in queries.iter().enumerate() {
-        let row_len = len + 1 - rows + i;
-        let alone = KvHeadAttention {
-            len: row_len,
-            ..*attention
-        };
-        let mut want = vec![0f32; heads * row_len];
-        for (q, want) in q
-            .chunks(crate::attention::HEADS_PER_PASS * head_dim)
-            .zip(want.chunks_mut(crate::attention::HEADS_PER_PASS * row_len))
-        {
-            // SAFETY: as above, with the row's own length.
-            unsafe { (attention_avx512::KERNELS.scores)(&alone, q, want) };
+    let isas: [(bool, &RowKernels, &GroupedKernels); 2] = [
+        (
+            attention_avx512::fits(head_dim),
+            &attention_avx512::ROW_KERNELS,
+            &attention_avx512::KERNELS,
+        ),
+        (
+            avx2::attention_fits(head_dim),
+            &avx2::ROW_KERNELS,
+            &avx2::ATTENTION_KERNELS,
+        ),
+    ];
+    for (fits, block_kernels, row_kernels) in isas {
+        if !fits || rows < 2 {
+            continue;
         }
-        for (h, want) in want.chunks_exact(row_len).enumerate() {
-            let got = &together[i * heads * len + h * len..][..row_len];
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(got),
-                bits(want),
-                "len {len} rows {rows}: row {i} head {h}"
-            );
+        let width = queries[0].len();
+        let heads = width / head_dim;
+        let block = RowBlock {
+            rows,
+            first_len: len + 1 - rows,
+            q_stride: width,
+            probs_stride: heads * len,
+        };
+        let q: Vec<f32> = queries.concat();
+        let mut together = vec![f32::NAN; rows * heads * len];
+        let mut tile = vec![0f32; block_kernels.positions * head_dim];
+        for first in (0..heads).step_by(HEADS_PER_PASS) {
+            let g = (heads - first).min(HEADS_PER_PASS);
+            // SAFETY: `fits` checked the CPU and head size; the attention's pages are whole
+            // for `len`, and the slices are the block's.
+            unsafe {
+                (block_kernels.scores)(
+                    attention,
+                    &block,
+                    g,
+                    &q[first * head_dim..],
+                    &mut together[first * len..],
+                    &mut tile,
+                )
+            };
+        }
+        for (i, q) in queries.iter().enumerate() {
+            let row_len = len + 1 - rows + i;
+            let alone = KvHeadAttention {
+                len: row_len,
+                ..*attention
+            };
+            let mut want = vec![0f32; heads * row_len];
+            for (q, want) in q
+                .chunks(HEADS_PER_PASS * head_dim)
+                .zip(want.chunks_mut(HEADS_PER_PASS * row_len))
+            {
+                // SAFETY: as above, with the row's own length.
+                unsafe { (row_kernels.scores)(&alone, q, want) };
+            }
+            for (h, want) in want.chunks_exact(row_len).enumerate() {
+                let got = &together[i * heads * len + h * len..][..row_len];
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(got),
+                    bits(want),
+                    "positions {} len {len} rows {rows}: row {i} head {h}",
+                    block_kernels.positions
+                );
+            }
         }
     }
 }
