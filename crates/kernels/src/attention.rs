@@ -145,6 +145,28 @@ impl RowBlock {
     pub fn first_row_at(&self, pos: usize) -> usize {
         (pos + 1).saturating_sub(self.first_len)
     }
+
+    /// The bounds a row kernel relies on for `g` heads: `by_q` strided as the queries (the
+    /// queries, or the outputs) and `by_probs` as the scores each hold every row's heads,
+    /// `tile` holds `positions` keys or values, and `att.len` is the last row's.
+    pub fn check(
+        &self,
+        att: &KvHeadAttention,
+        g: usize,
+        by_q: &[f32],
+        by_probs: &[f32],
+        tile: &[f32],
+        positions: usize,
+    ) {
+        let last = self.rows - 1;
+        assert!(
+            by_q.len() >= last * self.q_stride + g * att.head_dim
+                && by_probs.len() >= last * self.probs_stride + g * att.len
+                && tile.len() >= positions * att.head_dim
+                && self.first_len + last == att.len,
+            "a block's rows, scores and tile"
+        );
+    }
 }
 
 /// A row-block pass (`RowKernels`): the attention, the block, `g` heads, the rows' queries or

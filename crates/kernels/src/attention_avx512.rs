@@ -44,14 +44,7 @@ pub(crate) unsafe fn scores_of_rows(
     probs: &mut [f32],
     tile: &mut [f32],
 ) {
-    let last = block.rows - 1;
-    assert!(
-        q.len() >= last * block.q_stride + g * att.head_dim
-            && probs.len() >= last * block.probs_stride + g * att.len
-            && tile.len() >= TILE_POSITIONS * att.head_dim
-            && block.first_len + last == att.len,
-        "a block's queries, scores and tile"
-    );
+    block.check(att, g, q, probs, tile, TILE_POSITIONS);
     // SAFETY: the caller's contract; the bounds of every slice just checked.
     unsafe {
         match g {
@@ -77,14 +70,7 @@ pub(crate) unsafe fn mix_of_rows(
     out: &mut [f32],
     tile: &mut [f32],
 ) {
-    let last = block.rows - 1;
-    assert!(
-        out.len() >= last * block.q_stride + g * att.head_dim
-            && probs.len() >= last * block.probs_stride + g * att.len
-            && tile.len() >= TILE_POSITIONS * att.head_dim
-            && block.first_len + last == att.len,
-        "a block's probabilities, outputs and tile"
-    );
+    block.check(att, g, out, probs, tile, TILE_POSITIONS);
     // SAFETY: the caller's contract; the bounds of every slice just checked.
     unsafe {
         match g {

@@ -135,14 +135,7 @@ unsafe fn scores_of_rows(
     probs: &mut [f32],
     tile: &mut [f32],
 ) {
-    let last = block.rows - 1;
-    assert!(
-        q.len() >= last * block.q_stride + g * att.head_dim
-            && probs.len() >= last * block.probs_stride + g * att.len
-            && tile.len() >= 8 * att.head_dim
-            && block.first_len + last == att.len,
-        "a block's queries, scores and tile"
-    );
+    block.check(att, g, q, probs, tile, 8);
     // SAFETY: the caller's contract; the bounds of every slice just checked.
     unsafe { x86::scores_of_rows(att, block, g, q, probs, tile) }
 }
@@ -160,14 +153,7 @@ unsafe fn mix_of_rows(
     out: &mut [f32],
     tile: &mut [f32],
 ) {
-    let last = block.rows - 1;
-    assert!(
-        out.len() >= last * block.q_stride + g * att.head_dim
-            && probs.len() >= last * block.probs_stride + g * att.len
-            && tile.len() >= 8 * att.head_dim
-            && block.first_len + last == att.len,
-        "a block's probabilities, outputs and tile"
-    );
+    block.check(att, g, out, probs, tile, 8);
     // SAFETY: the caller's contract; the bounds of every slice just checked.
     unsafe {
         match g {

@@ -595,7 +595,8 @@ impl Model {
     /// of a head's keys and values once for the block and widens it once, where a task per
     /// row read and widened it per row. The outputs go K/V-head-major into `by_head`, so that
     /// each task owns one contiguous range, then into `out`'s rows. Bits as `attend_heads`
-    /// row by row (the kernels' tests; `prefill_in_row_blocks_matches_one_row_at_a_time`).
+    /// row by row (the kernels' tests, and the model's
+    /// `prefill_in_row_blocks_gives_each_row_its_logits_one_token_at_a_time`).
     #[allow(clippy::too_many_arguments)]
     fn attend_blocks(
         &self,
