@@ -7,6 +7,7 @@ use crate::Faults;
 use anyhow::{bail, Context, Result};
 use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
+use kernels::Workers;
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
 use model_args::{ModelArgs, DEFAULT_MODEL_NAME};
@@ -511,11 +512,15 @@ fn load_worker(
     name: String,
     faults: Faults,
     shared_pool: bool,
+    compute: Option<&Arc<Workers>>,
 ) -> Result<(WorkerConfig, Model, Tokenizer, PagePool)> {
     let started = Instant::now();
     let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
         .with_context(|| format!("loading {}", file.path.display()))?;
-    let model = loaded.model;
+    let mut model = loaded.model;
+    if let Some(compute) = compute {
+        model.share_compute(Arc::clone(compute));
+    }
     let faults = faults.plan(role)?;
     let preflight = faults.preflight_checked();
     let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
@@ -578,6 +583,17 @@ async fn bind(host: &str, port: u16) -> Result<TcpListener> {
         .with_context(|| format!("cannot listen on {host}:{port}"))
 }
 
+/// What the workers one process starts have in common.
+struct WorkerEnv {
+    secret: ClusterSecret,
+    faults: Faults,
+    /// `serve`'s prefill and decode engines run on one set of compute threads: on their own
+    /// they would run twice as many threads as the machine has cores, each engine's spinning
+    /// between parallel regions taking time from the other's work, and neither could use the
+    /// other's cores while that one is idle.
+    compute: Option<Arc<Workers>>,
+}
+
 /// Loads and starts a worker on `listeners`; a decode worker listening on a Unix socket
 /// gets a shared pool, for the prefills that write into it.
 async fn spawn_worker(
@@ -586,15 +602,21 @@ async fn spawn_worker(
     role: Role,
     name: String,
     listeners: Vec<Listener>,
-    secret: &ClusterSecret,
-    faults: Faults,
+    env: &WorkerEnv,
 ) -> Result<Worker> {
     let shared_pool = role == Role::Decode
         && listeners
             .iter()
             .any(|listener| matches!(listener, Listener::Unix(_)));
-    let (config, model, tokenizer, pool) =
-        load_worker(args, file, role, name, faults, shared_pool)?;
+    let (config, model, tokenizer, pool) = load_worker(
+        args,
+        file,
+        role,
+        name,
+        env.faults,
+        shared_pool,
+        env.compute.as_ref(),
+    )?;
     let worker = start_worker_on(
         config,
         model,
@@ -602,7 +624,7 @@ async fn spawn_worker(
         pool,
         listeners,
         Arc::new(Net),
-        secret.clone(),
+        env.secret.clone(),
     )?;
     Ok(worker)
 }
@@ -806,7 +828,11 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
     let args = args.common;
     check_open_bind(&args)?;
     let file = read_model_file(&args)?;
-    let secret = cluster_secret(&args, true)?;
+    let env = WorkerEnv {
+        secret: cluster_secret(&args, true)?,
+        faults,
+        compute: Some(Arc::new(Workers::new(args.model.load_options().threads))),
+    };
     runtime()?.block_on(async {
         let (decode_listener, decode_addr) = match transport {
             KvTransport::Shm => {
@@ -827,8 +853,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
             Role::Decode,
             "decode-0".into(),
             vec![decode_listener],
-            &secret,
-            faults,
+            &env,
         )
         .await?;
         let _prefill = spawn_worker(
@@ -837,8 +862,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
             Role::Prefill,
             "prefill-0".into(),
             vec![Listener::Tcp(prefill_listener)],
-            &secret,
-            faults,
+            &env,
         )
         .await?;
         let context_length = u64::from(decode.info.context_length);
@@ -851,7 +875,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
             workers,
             port,
             Some(context_length),
-            secret,
+            env.secret.clone(),
             dns,
         )
         .await
@@ -906,7 +930,11 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
         bail!("--kv-socket is a decode worker's flag: prefill workers write into it");
     }
     let common = args.common;
-    let secret = cluster_secret(&common, false)?;
+    let env = WorkerEnv {
+        secret: cluster_secret(&common, false)?,
+        faults,
+        compute: None,
+    };
     let file = read_model_file(&common)?;
     let port = common.port.unwrap_or(default_port);
     let role_name = router::cluster::role_name(role);
@@ -928,7 +956,7 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
                 .with_context(|| format!("cannot listen on {}", path.display()))?;
             listeners.push(Listener::Unix(unix));
         }
-        let worker = spawn_worker(&common, &file, role, name, listeners, &secret, faults).await?;
+        let worker = spawn_worker(&common, &file, role, name, listeners, &env).await?;
         match &args.kv_socket {
             Some(path) => println!(
                 "Airlock {role_name} worker listening on {address} and {UNIX_PREFIX}{}",
@@ -973,7 +1001,11 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
     let args = args.common;
     check_open_bind(&args)?;
     let file = read_model_file(&args)?;
-    let secret = cluster_secret(&args, true)?;
+    let env = WorkerEnv {
+        secret: cluster_secret(&args, true)?,
+        faults,
+        compute: None,
+    };
     runtime()?.block_on(async {
         let listener = bind("127.0.0.1", 0).await?;
         let addr = listener.local_addr()?.to_string();
@@ -983,14 +1015,13 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
             Role::Unified,
             "unified-0".into(),
             vec![Listener::Tcp(listener)],
-            &secret,
-            faults,
+            &env,
         )
         .await?;
         let context_length = Some(u64::from(worker.info.context_length));
         let workers = vec![(addr, Role::Unified)];
         let port = args.port.unwrap_or(8080);
         let dns = router::cluster::DNS_INTERVAL;
-        run_router(&args, file, workers, port, context_length, secret, dns).await
+        run_router(&args, file, workers, port, context_length, env.secret, dns).await
     })
 }

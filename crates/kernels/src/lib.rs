@@ -40,7 +40,7 @@ pub use ops::{
     rope_in_place, silu_mul, softmax_in_place, RopeStyle, RopeTable,
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
-pub use workers::Workers;
+pub use workers::{Turn, Workers};
 pub use xxh3::{xxh3_64_long, xxh3_64_long_scalar, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};
 
 /// Errors from building kernels' data structures out of untrusted bytes.

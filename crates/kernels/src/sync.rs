@@ -9,7 +9,7 @@
 pub(crate) use std::{
     hint,
     sync::atomic::{AtomicBool, AtomicU64, AtomicUsize},
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, MutexGuard},
     thread,
 };
 
@@ -17,7 +17,7 @@ pub(crate) use std::{
 pub(crate) use loom::{
     hint,
     sync::atomic::{AtomicBool, AtomicU64, AtomicUsize},
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, MutexGuard},
     thread,
 };
 

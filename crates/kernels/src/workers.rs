@@ -18,7 +18,7 @@
 
 use crate::sync::{
     hint, park_idle, seq_cst_store_load, thread, Arc, AtomicBool, AtomicU64, AtomicUsize, Mutex,
-    UnsafeCell,
+    MutexGuard, UnsafeCell,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering::SeqCst;
@@ -64,6 +64,13 @@ pub struct Workers {
     handles: Vec<thread::JoinHandle<()>>,
     /// One region at a time.
     region: Mutex<()>,
+    /// One caller's sequence of regions at a time ([`Workers::turn`]).
+    turn: Mutex<()>,
+}
+
+/// Held while a caller runs a sequence of regions that belong together (a forward pass).
+pub struct Turn<'a> {
+    _held: MutexGuard<'a, ()>,
 }
 
 impl Workers {
@@ -95,6 +102,18 @@ impl Workers {
             shared,
             handles,
             region: Mutex::new(()),
+            turn: Mutex::new(()),
+        }
+    }
+
+    /// Waits until no other caller holds a turn, then holds it until the guard drops. Callers
+    /// that share a pool (two engines in one process) take turns by whole forward passes, so
+    /// one pass's regions run back to back on weights and activations still in cache rather
+    /// than interleaved with another model's; regions still lock on their own, so a caller
+    /// that does not take turns stays correct.
+    pub fn turn(&self) -> Turn<'_> {
+        Turn {
+            _held: self.turn.lock().unwrap_or_else(|e| e.into_inner()),
         }
     }
 
@@ -355,6 +374,45 @@ mod tests {
             workers.for_each_chunk_pair_mut((&mut rows, 3), (&mut sums, 2), |_, _, _| {});
         }));
         assert!(unequal.is_err(), "50 rows against 25 pairs of sums");
+    }
+
+    /// Two callers sharing a pool, each running passes of several regions: a pass holds its
+    /// turn from its first region to its last, so the other caller's regions never run in
+    /// between, and every task of both still runs once.
+    #[test]
+    fn callers_sharing_a_pool_take_whole_turns() {
+        const PASSES: usize = 300;
+        const REGIONS: usize = 4;
+        let workers = Workers::new(2);
+        let inside = AtomicUsize::new(0);
+        let overlaps = AtomicUsize::new(0);
+        let tasks_run = AtomicUsize::new(0);
+        let start = std::sync::Barrier::new(2);
+        let pass = || {
+            let _turn = workers.turn();
+            inside.fetch_add(1, Ordering::SeqCst);
+            for _ in 0..REGIONS {
+                workers.for_each(8, &|_| {
+                    tasks_run.fetch_add(1, Ordering::Relaxed);
+                    if inside.load(Ordering::SeqCst) != 1 {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+                // Leaves the other caller time to slip a region in, were it let.
+                std::thread::yield_now();
+            }
+            inside.fetch_sub(1, Ordering::SeqCst);
+        };
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    start.wait();
+                    (0..PASSES).for_each(|_| pass());
+                });
+            }
+        });
+        assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two passes overlapped");
+        assert_eq!(tasks_run.load(Ordering::Relaxed), 2 * PASSES * REGIONS * 8);
     }
 
     #[test]

@@ -19,7 +19,8 @@ pub struct ModelArgs {
     /// directory or the source checkout]
     #[arg(long, env = "AIRLOCK_MODEL")]
     pub model: Option<PathBuf>,
-    /// Compute threads [default: all cores]
+    /// Compute threads [default: all cores]; `serve`'s prefill and decode engines share them,
+    /// a forward pass at a time
     #[arg(long, env = "AIRLOCK_THREADS")]
     pub threads: Option<usize>,
     /// Compute kernels: auto (the fastest this CPU has), avx512-vnni, avx2 or scalar (the

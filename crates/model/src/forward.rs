@@ -185,6 +185,7 @@ impl Model {
         let layout = self.config.kv_layout(pool.layout().page_size_tokens);
         let c = &self.config;
         let mut views = checked_views(pool, steps, c.vocab_size, c.context_length, layout)?;
+        let _turn = self.workers.turn();
         let logits = self.run(steps, &mut views)?;
         mark_steps_written(steps, &mut views);
         Ok(logits)

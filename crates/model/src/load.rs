@@ -3,6 +3,7 @@ use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
 use kernels::formats::Transcoded;
 use kernels::{Backend, Fidelity, QuantMatrix, RopeTable, TensorFormat, WeightFormat, Workers};
 use std::path::Path;
+use std::sync::Arc;
 
 /// How to load and run a model.
 #[derive(Clone, Debug)]
@@ -72,7 +73,9 @@ pub struct Model {
     /// The sliding-window layers' RoPE, where the model has them (its own base).
     pub(crate) rope_sliding: Option<RopeTable>,
     pub(crate) backend: Backend,
-    pub(crate) workers: Workers,
+    /// Shared when another model in the process runs on the same threads
+    /// ([`Model::share_compute`]).
+    pub(crate) workers: Arc<Workers>,
     pub(crate) weight_report: WeightReport,
 }
 
@@ -234,7 +237,7 @@ impl Model {
             output_norm,
             output,
             backend,
-            workers: Workers::new(options.threads),
+            workers: Arc::new(Workers::new(options.threads)),
         })
     }
 
@@ -253,6 +256,19 @@ impl Model {
 
     pub fn thread_count(&self) -> usize {
         self.workers.threads()
+    }
+
+    /// The compute threads this model's forward passes run on.
+    pub fn compute(&self) -> Arc<Workers> {
+        Arc::clone(&self.workers)
+    }
+
+    /// Runs this model's forward passes on `workers` (another model's [`Model::compute`])
+    /// instead of its own threads. Two engines in one process then take turns on the same
+    /// threads, one parallel region at a time, rather than running twice as many spinning
+    /// threads as there are cores; either gets all of them while the other is idle.
+    pub fn share_compute(&mut self, workers: Arc<Workers>) {
+        self.workers = workers;
     }
 
     /// Bytes of weights held in memory.

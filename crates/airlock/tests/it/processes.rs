@@ -46,9 +46,15 @@ fn spawn_command(
     args: &[&str],
     marker: &str,
 ) -> (Process, String) {
+    // One compute thread each unless the test asks for more.
+    let threads: &[&str] = match args.contains(&"--threads") {
+        true => &[],
+        false => &["--threads", "1"],
+    };
     let mut child = command
         .args(args)
-        .args(["--model", &model_path(), "--threads", "1"])
+        .args(threads)
+        .args(["--model", &model_path()])
         .args(["--cluster-secret-file", &secret_file()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -269,6 +275,43 @@ fn a_restarted_decode_worker_is_linked_again() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
+}
+
+/// `serve`'s prefill and decode engines run on one compute pool: with `--threads 3` the
+/// process has two compute threads (each engine's own thread takes part in its passes), not
+/// two per engine.
+#[test]
+fn serve_runs_both_engines_on_one_set_of_compute_threads() {
+    let (serve, _url) = spawn(
+        "serve",
+        &[
+            "serve",
+            "--port",
+            "0",
+            "--kv-tokens",
+            "2048",
+            "--context-length",
+            "auto",
+            "--threads",
+            "3",
+        ],
+        " at ",
+    );
+    let tasks = format!("/proc/{}/task", serve.child.id());
+    let names: Vec<String> = std::fs::read_dir(&tasks)
+        .unwrap_or_else(|e| panic!("{tasks}: {e}"))
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .map(|name| name.trim().to_string())
+        .collect();
+    // Thread names are cut to 15 bytes: `airlock-compute-N` reads `airlock-compute`.
+    let compute = names
+        .iter()
+        .filter(|name| name.starts_with("airlock-compute"))
+        .count();
+    assert_eq!(
+        compute, 2,
+        "compute threads of serve --threads 3: {names:?}"
+    );
 }
 
 #[test]

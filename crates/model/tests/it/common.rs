@@ -74,6 +74,11 @@ fn load_with(backend: Option<kernels::Backend>) -> Fixture {
     }
 }
 
+/// A second copy of the model, of its own (as `serve` loads one per engine).
+pub fn another_model() -> Model {
+    load_with(None).model
+}
+
 pub fn model() -> &'static Model {
     &loaded().model
 }

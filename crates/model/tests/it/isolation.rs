@@ -611,3 +611,55 @@ fn prefill_in_row_blocks_gives_each_row_its_logits_one_token_at_a_time() {
     }
     release_all_and_check_pool_is_whole(&mut pool, tables);
 }
+
+/// `serve`'s two engines share one set of compute threads (`Model::share_compute`): passes
+/// from both, run at once from two threads, each get the logits they get alone, bit for bit.
+#[test]
+fn two_models_sharing_compute_threads_each_get_their_own_logits() {
+    let mut second = common::another_model();
+    second.share_compute(common::model().compute());
+    assert!(std::sync::Arc::ptr_eq(
+        &second.compute(),
+        &common::model().compute()
+    ));
+    let prompts = [encode(A_PROMPT), encode(B_PROMPT)];
+    let models = [common::model(), &second];
+    let alone: Vec<Vec<f32>> = models
+        .iter()
+        .zip(&prompts)
+        .map(|(model, prompt)| prefill_on(model, prompt))
+        .collect();
+    std::thread::scope(|scope| {
+        for ((model, prompt), alone) in models.iter().zip(&prompts).zip(&alone) {
+            scope.spawn(move || {
+                for round in 0..8 {
+                    let logits = prefill_on(model, prompt);
+                    assert!(
+                        logits
+                            .iter()
+                            .zip(alone)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "round {round}: max abs diff {}",
+                        max_abs_diff(&logits, alone)
+                    );
+                }
+            });
+        }
+    });
+}
+
+/// Prefills `prompt` on `model` in a pool of its own and returns the last row's logits; the
+/// pool must be whole again afterwards.
+fn prefill_on(model: &model::Model, prompt: &[u32]) -> Vec<f32> {
+    let mut pool = common::pool_for(model, 4 * PAGE_SIZE);
+    let table = pool.allocate(owner(7, 0), prompt.len()).unwrap();
+    let step = SeqStep {
+        table: &table,
+        tokens: prompt,
+        start_pos: 0,
+        logits: model::LogitRows::Last,
+    };
+    let logits = model.forward(&mut pool, &[step]).expect("prefill")[0].to_vec();
+    release_all_and_check_pool_is_whole(&mut pool, vec![table]);
+    logits
+}
