@@ -767,7 +767,9 @@ fn kill_one_decode_and_stop_one_prefill_under_load(retries: &str) -> Vec<(u16, S
     let prefills = format!("{prefill_a_addr},{prefill_b_addr}");
     let decodes = format!("{decode_a_addr},{decode_b_addr}");
     let (_router, url) = start_router(&prefills, &decodes, &["--retries", retries]);
-    const MAX_TOKENS: usize = 24;
+    // Long enough that one answer's decode outlasts the prefills of all sixteen, so twelve or
+    // more run at once even on a fast machine (at 24 tokens a fast one finished them first).
+    const MAX_TOKENS: usize = 64;
     let prompts: Vec<String> = (0..16)
         .map(|i| format!("Note {i}: the colours of the rainbow, in order, are"))
         .collect();
