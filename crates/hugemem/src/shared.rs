@@ -67,7 +67,28 @@ impl SharedMemory {
         if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SIZE_SEALS) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        SharedMemory::map(fd, len)
+        let memory = SharedMemory::map(fd, len)?;
+        memory.populate();
+        Ok(memory)
+    }
+
+    /// Allocates the whole region and maps it now. Shared memory gets no transparent huge
+    /// pages unless the host opts in (`shmem_enabled`), so each 4 KiB of a KV pool would
+    /// otherwise be allocated, zeroed and mapped on first touch: ~90 faults per page, on the
+    /// transfer's path, for the first requests through the pool. The creator pays it once at
+    /// start; a peer's mapping of the region ([`SharedMemory::open`]) then only maps pages
+    /// that exist, lazily, rather than making its first request wait for the whole pool. A
+    /// kernel older than 5.14 refuses the advice, and the faults come back; nothing else
+    /// changes.
+    fn populate(&self) {
+        // SAFETY: advice on exactly this mapping, which `self` keeps alive.
+        unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
     }
 
     /// Maps a memfd a peer passed us, after checking that it is exactly `len` bytes and

@@ -3,7 +3,7 @@ use super::*;
 /// Says that `what` could not be tested on this machine, and why: on stderr, and appended to
 /// the file `AIRLOCK_SKIPPED_TESTS` names, which `.ci/run` prints after the run (cargo shows a
 /// passing test's output only with `--nocapture`, so a skip would otherwise pass unseen).
-fn skipped(what: &str, why: &str) {
+pub(crate) fn skipped(what: &str, why: &str) {
     let line = format!("SKIPPED {what}: {why}");
     eprintln!("{line}");
     if let Some(path) = std::env::var_os("AIRLOCK_SKIPPED_TESTS") {

@@ -135,3 +135,69 @@ fn a_gone_process_is_told_apart_from_a_living_one() {
         "reaped, and pids are not reused this fast"
     );
 }
+
+/// Whether this kernel takes `MADV_POPULATE_WRITE` (on a page of anonymous memory).
+fn kernel_populates() -> bool {
+    // SAFETY: maps one fresh anonymous page, advises on exactly it, and unmaps it.
+    unsafe {
+        let page = libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(page, libc::MAP_FAILED, "mmap");
+        let advised = libc::madvise(page, 4096, libc::MADV_POPULATE_WRITE) == 0;
+        libc::munmap(page, 4096);
+        advised
+    }
+}
+
+/// This thread's minor page faults so far.
+fn minor_faults() -> i64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: `usage` is a writable rusage; RUSAGE_THREAD reports on the calling thread.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) };
+    assert_eq!(rc, 0, "getrusage");
+    // SAFETY: getrusage filled it (checked above).
+    unsafe { usage.assume_init() }.ru_minflt
+}
+
+/// The pool's own mapping is populated when the pool is made: writing every 4 KiB of it
+/// afterwards takes (almost) no page fault, where an unpopulated mapping takes one per 4 KiB
+/// (shared memory gets no huge pages by default), on the transfer's path. A peer's mapping of
+/// it, made on a request's path, is left to fault in: it only maps pages that exist.
+#[test]
+fn a_pool_in_shared_memory_is_populated_when_made() {
+    if !kernel_populates() {
+        crate::tests::skipped(
+            "hugemem::shared::a_pool_in_shared_memory_is_populated_when_made",
+            "this kernel refuses MADV_POPULATE_WRITE (Linux 5.14 and later have it)",
+        );
+        return;
+    }
+    const PAGES: usize = 64;
+    const PAGE_LEN: usize = 32 * 1024;
+    let small_pages = PAGES * PAGE_LEN * 2 / 4096;
+    let cells = PageCells::<u16>::zeroed_shared(PAGES, PAGE_LEN).expect("memfd pool");
+    let before = minor_faults();
+    for index in 0..PAGES {
+        cells.write(index).expect("no reader").fill(0x5A5A);
+    }
+    let faults = minor_faults() - before;
+    eprintln!("{small_pages} small pages written: {faults} faults");
+    assert!(
+        faults < (small_pages / 8) as i64,
+        "{faults} faults writing {small_pages} small pages"
+    );
+    let remote = RemotePages::open(dup(cells.shared_fd().expect("shared")), PAGES, PAGE_LEN * 2)
+        .expect("the peer maps it");
+    assert!(remote.write(3, &vec![0xA5u8; PAGE_LEN * 2]));
+    assert!(cells
+        .read(3)
+        .expect("no writer")
+        .iter()
+        .all(|&v| v == 0xA5A5));
+}
