@@ -27,6 +27,22 @@ fn spawn(name: &'static str, args: &[&str], marker: &str) -> (Process, String) {
     spawn_command(airlock(), name, args, marker)
 }
 
+/// [`spawn`] of `serve` on a free port, with a pool of `kv_tokens` and the model's context
+/// length, plus `extra` arguments; ready once it prints where it serves.
+fn spawn_serve(kv_tokens: &str, extra: &[&str]) -> (Process, String) {
+    let mut args = vec![
+        "serve",
+        "--port",
+        "0",
+        "--kv-tokens",
+        kv_tokens,
+        "--context-length",
+        "auto",
+    ];
+    args.extend_from_slice(extra);
+    spawn("serve", &args, " at ")
+}
+
 /// [`spawn`] of the test-only `airlock-fault-injection`, with `AIRLOCK_FAULTS` set (test
 /// builds have fault injection).
 fn spawn_with_faults(
@@ -282,21 +298,7 @@ fn a_restarted_decode_worker_is_linked_again() {
 /// two per engine.
 #[test]
 fn serve_runs_both_engines_on_one_set_of_compute_threads() {
-    let (serve, _url) = spawn(
-        "serve",
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--kv-tokens",
-            "2048",
-            "--context-length",
-            "auto",
-            "--threads",
-            "3",
-        ],
-        " at ",
-    );
+    let (serve, _url) = spawn_serve("2048", &["--threads", "3"]);
     let tasks = format!("/proc/{}/task", serve.child.id());
     let names: Vec<String> = std::fs::read_dir(&tasks)
         .unwrap_or_else(|e| panic!("{tasks}: {e}"))
@@ -326,21 +328,7 @@ fn the_openai_python_client_talks_to_serve() {
     )
     .expect("keys file");
     let keys = keys.display().to_string();
-    let (_serve, url) = spawn(
-        "serve",
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--kv-tokens",
-            "2048",
-            "--context-length",
-            "auto",
-            "--api-keys",
-            &keys,
-        ],
-        " at ",
-    );
+    let (_serve, url) = spawn_serve("2048", &["--api-keys", &keys]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let output = std::process::Command::new("python3")
         .args([
@@ -570,19 +558,7 @@ fn ready_means_a_complete_path_and_health_means_every_worker() {
 /// accuracy is llama.cpp's on the same file (0.867; tests/data/reference_prompt_logprobs.json).
 #[test]
 fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
-    let (_serve, url) = spawn(
-        "serve",
-        &[
-            "serve",
-            "--port",
-            "0",
-            "--kv-tokens",
-            "4096",
-            "--context-length",
-            "auto",
-        ],
-        " at ",
-    );
+    let (_serve, url) = spawn_serve("4096", &[]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lm_eval_check.py");
     let task = concat!(
         env!("CARGO_MANIFEST_DIR"),
