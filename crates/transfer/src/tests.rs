@@ -920,6 +920,63 @@ async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses()
     );
 }
 
+/// A sink that lends nothing and records, per page it is asked about, whether its link had
+/// been announced by then.
+#[derive(Default)]
+struct AnnouncedLog {
+    announced: std::sync::atomic::AtomicBool,
+    claims: std::sync::Mutex<Vec<bool>>,
+}
+
+impl crate::transport::PageSink for AnnouncedLog {
+    fn claim(&self, _: &crate::transport::PageHeader) -> Option<kv::LentPageMut> {
+        let announced = self.announced.load(std::sync::atomic::Ordering::SeqCst);
+        self.claims.lock().unwrap().push(announced);
+        None
+    }
+    fn landed(&self, _: &crate::transport::PageHeader, _: kv::LentPageMut) {}
+    fn closing(&self, _: &TransferDone) {}
+}
+
+/// A decode engine hears of a refused page on its event queue and answers on the link: the
+/// link must be announced there before its reader can refuse anything. Here a page waits on
+/// the stream before the link exists, and the announcement is slow; the reader must still
+/// not reach the page before it is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_links_reader_starts_only_after_the_link_is_announced() {
+    use tokio::io::AsyncWriteExt;
+    let (mut ours, theirs) = tokio::io::duplex(1 << 16);
+    let page = Frame::Page {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        index: 0,
+        bytes: vec![1u8; 64].into(),
+    };
+    let body = page.encode();
+    ours.write_all(&(body.len() as u32).to_le_bytes())
+        .await
+        .unwrap();
+    ours.write_all(&body).await.unwrap();
+    ours.shutdown().await.unwrap();
+    let log = std::sync::Arc::new(AnnouncedLog::default());
+    let sink: std::sync::Arc<dyn crate::transport::PageSink> = log.clone();
+    let mut link = crate::transport::spawn_link_announced(
+        Box::new(theirs),
+        "decode".into(),
+        Some(sink),
+        |_| {
+            // Long enough for a reader already running on the other thread to reach the page.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            log.announced
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        },
+    );
+    // The stream ends after the page: the reader has claimed it once the link closes.
+    assert_eq!(link.rx.recv().await, None);
+    assert_eq!(*log.claims.lock().unwrap(), [true]);
+}
+
 /// A sink that lends nothing and records the headers it is asked about.
 #[derive(Default)]
 struct HeaderLog {

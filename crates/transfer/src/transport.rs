@@ -282,9 +282,23 @@ pub fn spawn_link_with_sink(
     name: String,
     sink: Option<Arc<dyn PageSink>>,
 ) -> Link {
+    spawn_link_announced(stream, name, sink, |_| {})
+}
+
+/// [`spawn_link_with_sink`] that first hands the link's sending side to `announce`, and
+/// starts reading only once `announce` has returned. A sink reports what it refuses on
+/// another path than the link's frames (a decode engine's event queue); announcing the link
+/// on that path first means no such report can arrive before the link it names.
+pub fn spawn_link_announced(
+    stream: BoxStream,
+    name: String,
+    sink: Option<Arc<dyn PageSink>>,
+    announce: impl FnOnce(&mpsc::UnboundedSender<Frame>),
+) -> Link {
     let (mut read_half, mut write_half) = tokio::io::split(stream);
     let (in_tx, in_rx) = mpsc::channel(INBOUND_FRAMES_MAX);
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Frame>();
+    announce(&out_tx);
     let reader_name = name.clone();
     // Weak: the reader's answers must not keep the write side open once the owner lets go.
     let answers = out_tx.downgrade();

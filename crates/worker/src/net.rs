@@ -25,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use transfer::one_sided::{accept_pool, offer_pool, spawn_one_sided_link};
 use transfer::transport::{connect_unix, unix_path};
-use transfer::transport::{spawn_link, spawn_link_with_sink, BoxStream, Link, Transport};
+use transfer::transport::{spawn_link, spawn_link_announced, BoxStream, Link, Transport};
 use transfer::{
     accept_handshake, connect_handshake, ClusterSecret, Expectation, Failure, Frame,
     HandshakeError, PeerRole, Plan, Role, WorkerInfo,
@@ -345,14 +345,21 @@ impl Shared {
         let is_one_sided = one_sided.is_some();
         let sink = (kind == LinkKind::PrefillPeer)
             .then(|| self.page_sinks.for_link(id, self.events.clone(), one_sided));
-        let mut link = spawn_link_with_sink(stream, format!("{}-in", self.info.name), sink);
-        let up = Event::LinkUp {
-            link: id,
-            kind,
-            tx: link.tx.clone(),
-            one_sided: is_one_sided,
+        // The engine learns of the link before its reader starts: a page the sink refuses is
+        // reported on the engine's queue, and the `Nack` for it needs the link to exist.
+        let mut engine_gone = false;
+        let announce = |tx: &tokio::sync::mpsc::UnboundedSender<Frame>| {
+            let up = Event::LinkUp {
+                link: id,
+                kind,
+                tx: tx.clone(),
+                one_sided: is_one_sided,
+            };
+            engine_gone = self.events.send(up).is_err();
         };
-        if self.events.send(up).is_err() {
+        let name = format!("{}-in", self.info.name);
+        let mut link = spawn_link_announced(stream, name, sink, announce);
+        if engine_gone {
             return;
         }
         while let Some(frame) = link.rx.recv().await {
