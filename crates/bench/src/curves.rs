@@ -371,7 +371,8 @@ struct Reservation {
     leases: Vec<Option<kv::LentPageMut>>,
     hashes: Vec<Option<u64>>,
     refused: Option<String>,
-    /// Granted to a one-sided writer: hashed at `Done`, as decode's `Grants` does.
+    /// Granted to a one-sided writer: each page hashed at its `Written`, or at `Done`, as
+    /// decode's `Grants` does.
     one_sided: bool,
 }
 
@@ -437,10 +438,27 @@ impl PageSink for BenchSink {
         let mut state = self.state.lock().expect("bench sink lock");
         if let Some(reservation) = state.as_mut().filter(|r| r.one_sided) {
             for (hash, lease) in reservation.hashes.iter_mut().zip(&reservation.leases) {
-                *hash = lease
-                    .as_ref()
-                    .map(|lease| transfer::page_hash(lease.bytes()));
+                if let (None, Some(lease)) = (&hash, lease) {
+                    *hash = Some(transfer::page_hash(lease.bytes()));
+                }
             }
+        }
+    }
+
+    fn written(&self, _transfer: TransferId, index: u32) {
+        let mut state = self.state.lock().expect("bench sink lock");
+        let Some(reservation) = state.as_mut().filter(|r| r.one_sided) else {
+            return;
+        };
+        let index = index as usize;
+        match (
+            reservation.leases.get(index),
+            reservation.hashes.get_mut(index),
+        ) {
+            (Some(Some(lease)), Some(hash @ None)) => {
+                *hash = Some(transfer::page_hash(lease.bytes()))
+            }
+            _ => reservation.refused = Some(format!("page {index} reported written twice")),
         }
     }
 

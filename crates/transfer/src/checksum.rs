@@ -5,8 +5,9 @@
 //!
 //! Per-page hashes let both sides hash while the transfer runs: the sender hashes each page
 //! as the prefill chunk that wrote it completes ([`TransferHasher`]), and decode's link reader
-//! hashes each page right after landing it, while it alone may write the page (its lease), so
-//! at `Done` only the root is left to compute.
+//! hashes each page right after landing it, while it alone may write the page (its lease), or,
+//! one-sided, when the writer reports the page's one write landed (`Frame::Written`); so at
+//! `Done` only the root is left to compute.
 
 use crate::TransferDone;
 use kernels::{xxh3_64_long, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};

@@ -18,7 +18,8 @@ use kv::{Partition, RequestId, TenantId};
 /// asked for; `Text` carries its tokens' log-probabilities instead of a token count;
 /// `PromptLogprobs`; `Sampling::constraint`.
 /// Version 7: `PoolStats::draining`; `Submit::trace`.
-pub const PROTOCOL_VERSION: u16 = 7;
+/// Version 8: the one-sided transport's `Written`.
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Largest frame body accepted or sent: a whole KV page plus its header must fit.
 pub const MAX_FRAME_BYTES: usize = 16 << 20;
@@ -387,6 +388,7 @@ wire_enum! {
         WriteAbort = 21,
         WriteAbortAck = 22,
         PromptLogprobs = 23,
+        Written = 24,
     }
 }
 
@@ -521,6 +523,13 @@ pub enum Frame {
     /// Prefill -> decode: no write of this transfer is in progress or will start.
     WriteAbortAck {
         transfer: TransferId,
+    },
+    /// Prefill -> decode: the write of the transfer's page `index` has landed, and no other
+    /// write of that page will follow; decode may hash it now, while it is in cache, instead
+    /// of at `Done`.
+    Written {
+        transfer: TransferId,
+        index: u32,
     },
 }
 
@@ -681,6 +690,7 @@ impl Frame {
             Frame::WriteGrant { .. } => FrameKind::WriteGrant,
             Frame::WriteAbort { .. } => FrameKind::WriteAbort,
             Frame::WriteAbortAck { .. } => FrameKind::WriteAbortAck,
+            Frame::Written { .. } => FrameKind::Written,
             Frame::Challenge { .. } => FrameKind::Challenge,
             Frame::Proof { .. } => FrameKind::Proof,
         }
@@ -835,6 +845,10 @@ impl Frame {
             | Frame::AbortAck { transfer }
             | Frame::WriteAbort { transfer }
             | Frame::WriteAbortAck { transfer } => w.u64(transfer.0),
+            Frame::Written { transfer, index } => {
+                w.u64(transfer.0);
+                w.u32(*index);
+            }
             Frame::GrantAsk {
                 transfer,
                 request,
@@ -1029,6 +1043,10 @@ impl Frame {
             },
             FrameKind::WriteAbortAck => Frame::WriteAbortAck {
                 transfer: TransferId(r.u64()?),
+            },
+            FrameKind::Written => Frame::Written {
+                transfer: TransferId(r.u64()?),
+                index: r.u32()?,
             },
         };
         Ok(frame)

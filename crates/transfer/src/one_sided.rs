@@ -12,6 +12,9 @@
 //!   frame that ends a transfer's writes (`Done`, `TransferAbort`, `WriteAbortAck`) leaves only
 //!   once every posted write of that transfer has completed (`Done` follows the bytes it vouches
 //!   for); other transfers on the link go on meanwhile.
+//! - Each granted page is written at most once, and a `Written` frame says so as soon as its
+//!   write has landed (before the transfer's `Done`, on the same socket): decode hashes the
+//!   page then, while it is still in cache, rather than every page at `Done`.
 //! - Decode, dropping a reservation prefill may still write into, quarantines its pages and
 //!   sends `WriteAbort`; prefill stops posting that transfer's pages and answers
 //!   `WriteAbortAck` once its posted writes have completed. Only then are the pages reused.
@@ -106,6 +109,9 @@ pub struct WriterFaults {
     /// The spec's `AbortAckBeforeQuiescence` mutant: `WriteAbortAck` leaves at once, while
     /// posted writes may still land.
     pub ack_before_quiescence: bool,
+    /// The spec's `RewriteAfterWritten` mutant: a page frame for a page already written is
+    /// written again, unreported, after decode was told (`Written`) that the page is final.
+    pub rewrite_written: bool,
 }
 
 /// Posted writes in flight per transfer before the writer waits for its oldest.
@@ -208,6 +214,9 @@ enum Outgoing {
         tenant: TenantId,
         first_index: u32,
         pool_pages: Vec<u32>,
+        /// Per granted slot: a write was posted into it. Decode hashes a page once it is told
+        /// the page's write landed, so a second write would change bytes it already hashed.
+        posted: Vec<bool>,
         /// Fault injection: this transfer's writes wait this long.
         delay: Option<Duration>,
     },
@@ -285,6 +294,7 @@ impl Writer {
                     request,
                     tenant,
                     first_index,
+                    posted: vec![false; pool_pages.len()],
                     pool_pages,
                     delay: self.faults.write_delay.filter(|_| delayed),
                 };
@@ -363,14 +373,28 @@ impl Writer {
                     tenant: granted_tenant,
                     first_index,
                     pool_pages,
+                    posted,
                     delay,
                 }) => {
                     let slot = index.checked_sub(*first_index).map(|slot| slot as usize);
                     let page = slot.and_then(|slot| pool_pages.get(slot)).copied();
                     let delay = *delay;
-                    match page {
-                        Some(page) if (request, tenant) == (*granted_request, *granted_tenant) => {
-                            self.post(transfer, page as usize, bytes, delay).await
+                    match (page, slot) {
+                        (Some(page), Some(slot))
+                            if (request, tenant) == (*granted_request, *granted_tenant) =>
+                        {
+                            let first = !std::mem::replace(&mut posted[slot], true);
+                            if !first && !self.faults.rewrite_written {
+                                tracing::warn!(
+                                    link = %self.name,
+                                    index,
+                                    "a page already written was not written again"
+                                );
+                                return Ok(());
+                            }
+                            let report = first.then_some(index);
+                            self.post(transfer, report, page as usize, bytes, delay)
+                                .await
                         }
                         _ => {
                             tracing::warn!(
@@ -413,17 +437,19 @@ impl Writer {
         self.after_writes(transfer, frame).await
     }
 
-    /// Sends `frame` once every posted write of `transfer` has landed: now if none is in
+    /// Sends `frame` once every posted write of `transfer` has landed: next if none is in
     /// flight, else from a task that waits for them (the link goes on meanwhile). That task
     /// counts as one of the transfer's writes, so a later frame of the transfer waits for it
-    /// and leaves after this one.
+    /// and leaves after this one. Either way it goes behind the `Written` frames of the
+    /// writes that finished.
     async fn after_writes(&mut self, transfer: TransferId, frame: Frame) -> io::Result<()> {
         self.posted.retain(|_, writes| {
             writes.retain(|write| !write.is_finished());
             !writes.is_empty()
         });
         let Some(writes) = self.posted.remove(&transfer) else {
-            return write_frame(&mut self.socket, &frame).await;
+            let _ = self.ready.send(frame);
+            return Ok(());
         };
         let ready = self.ready.clone();
         let waiter = tokio::spawn(async move {
@@ -438,10 +464,12 @@ impl Writer {
         Ok(())
     }
 
-    /// Posts the write of `bytes` into pool page `page` for `transfer`.
+    /// Posts the write of `bytes` into pool page `page`; once it has landed, `Written` tells
+    /// decode it was the transfer's page `report` (the mutant's second write reports nothing).
     async fn post(
         &mut self,
         transfer: TransferId,
+        report: Option<u32>,
         page: usize,
         bytes: PageBytes,
         delay: Option<Duration>,
@@ -453,17 +481,25 @@ impl Writer {
             }
         }
         let pool = self.pool.clone();
+        let ready = self.ready.clone();
         posted.push_back(tokio::task::spawn_blocking(move || {
             if let Some(delay) = delay {
                 std::thread::sleep(delay);
             }
             // Fenced (the link is gone and decode may reuse the page): nothing is written.
+            let mut written = false;
             if let Some(_writing) = pool.fence.begin_write() {
-                if !pool.pages.write(page, &bytes) {
+                written = pool.pages.write(page, &bytes);
+                if !written {
                     tracing::warn!(page, "a grant named a page outside the pool; dropped");
                 }
             }
             drop(bytes); // the source page goes back to prefill's pool after the copy
+            if let Some(index) = report.filter(|_| written) {
+                // Queued before this write counts as finished, so before the transfer's
+                // `Done`, which waits for it.
+                let _ = ready.send(Frame::Written { transfer, index });
+            }
         }));
         Ok(())
     }

@@ -210,6 +210,10 @@ fn sample_frames() -> Vec<Frame> {
         Frame::WriteAbortAck {
             transfer: TransferId(99),
         },
+        Frame::Written {
+            transfer: TransferId(99),
+            index: 4,
+        },
     ]
 }
 
@@ -304,7 +308,7 @@ proptest! {
 
     #[test]
     fn decode_never_panics_on_mutated_frames(
-        which in 0usize..20,
+        which in 0usize..64,
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6),
     ) {
         let frames = sample_frames();
@@ -977,10 +981,12 @@ async fn a_links_reader_starts_only_after_the_link_is_announced() {
     assert_eq!(*log.claims.lock().unwrap(), [true]);
 }
 
-/// A sink that lends nothing and records the headers it is asked about.
+/// A sink that lends nothing and records the headers it is asked about, and the writes it is
+/// told of.
 #[derive(Default)]
 struct HeaderLog {
     claims: std::sync::Mutex<Vec<crate::transport::PageHeader>>,
+    written: std::sync::Mutex<Vec<(TransferId, u32)>>,
 }
 
 impl crate::transport::PageSink for HeaderLog {
@@ -990,6 +996,9 @@ impl crate::transport::PageSink for HeaderLog {
     }
     fn landed(&self, _: &crate::transport::PageHeader, _: kv::LentPageMut) {}
     fn closing(&self, _: &TransferDone) {}
+    fn written(&self, transfer: TransferId, index: u32) {
+        self.written.lock().unwrap().push((transfer, index));
+    }
 }
 
 proptest! {
@@ -1000,7 +1009,7 @@ proptest! {
     /// body is passed on as the decoder reads it, and nothing panics.
     #[test]
     fn the_sink_readers_page_header_agrees_with_the_decoder(
-        which in 0usize..20,
+        which in 0usize..64,
         flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
     ) {
         let frames = sample_frames();
@@ -1012,7 +1021,7 @@ proptest! {
         let mut wire = (body.len() as u32).to_le_bytes().to_vec();
         wire.extend_from_slice(&body);
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let (forwarded, claims) = runtime.block_on(async {
+        let (forwarded, claims, written) = runtime.block_on(async {
             use tokio::io::AsyncWriteExt;
             let (mut ours, theirs) = tokio::io::duplex(1 << 20);
             let log = std::sync::Arc::new(HeaderLog::default());
@@ -1026,7 +1035,8 @@ proptest! {
                 forwarded.push(frame);
             }
             let claims = log.claims.lock().unwrap().clone();
-            (forwarded, claims)
+            let written = log.written.lock().unwrap().clone();
+            (forwarded, claims, written)
         });
         match Frame::decode(&body) {
             Ok(Frame::Page { transfer, request, tenant, index, bytes }) => {
@@ -1038,12 +1048,20 @@ proptest! {
                     (transfer, request, tenant, index, bytes.len())
                 );
             }
+            // Answered by the reader itself: its answer goes out on the link, nothing comes in.
+            Ok(Frame::GrantAsk { .. }) => {
+                prop_assert!(claims.is_empty() && forwarded.is_empty() && written.is_empty());
+            }
+            Ok(Frame::Written { transfer, index }) => {
+                prop_assert!(claims.is_empty() && forwarded.is_empty());
+                prop_assert_eq!(written, vec![(transfer, index)]);
+            }
             Ok(frame) => {
-                prop_assert!(claims.is_empty());
+                prop_assert!(claims.is_empty() && written.is_empty());
                 prop_assert_eq!(forwarded, vec![frame]);
             }
             Err(_) => {
-                prop_assert!(claims.is_empty() && forwarded.is_empty());
+                prop_assert!(claims.is_empty() && forwarded.is_empty() && written.is_empty());
             }
         }
     }

@@ -123,6 +123,9 @@ pub trait PageSink: Send + Sync + 'static {
             reject: crate::Reject::UnknownTransfer,
         }
     }
+    /// A one-sided prefill's write of `transfer`'s page `index` has landed, and is the
+    /// page's last: the sink may hash it now. A sink that takes frames only ignores it.
+    fn written(&self, _transfer: TransferId, _index: u32) {}
 }
 
 /// A page frame's body up to its bytes: magic, version, kind, transfer, request, tenant,
@@ -320,6 +323,9 @@ pub fn spawn_link_announced(
                     if let Some(answers) = answers.upgrade() {
                         let _ = answers.send(sink.grant(transfer, request, tenant));
                     }
+                }
+                Ok(Some(Some(Frame::Written { transfer, index }))) if sink.is_some() => {
+                    sink.as_ref().expect("matched").written(transfer, index);
                 }
                 Ok(Some(Some(frame))) => {
                     if in_tx.send(frame).await.is_err() {

@@ -368,6 +368,7 @@ mod imp {
                     _ => None,
                 },
                 ack_before_quiescence: self.has(Fault::AbortAckEarly),
+                rewrite_written: false,
             }
         }
 

@@ -19,7 +19,8 @@ pub(super) fn msg_request(msg: &Msg) -> u8 {
         | Msg::Nack { request, .. }
         | Msg::AbortAck { request, .. }
         | Msg::WriteAbort { request, .. }
-        | Msg::WriteAbortAck { request, .. } => request,
+        | Msg::WriteAbortAck { request, .. }
+        | Msg::Written { request, .. } => request,
     }
 }
 

@@ -46,6 +46,7 @@ impl TransferSpec {
                     page,
                     generation,
                     content,
+                    reported: true,
                 });
             }
             state.requests[request as usize].prefill = PrefillPhase::Writing { pages: sent };
@@ -67,7 +68,11 @@ impl TransferSpec {
             state.requests[request as usize].prefill = PrefillPhase::Sent;
         }
         let entry = &mut state.requests[request as usize];
-        entry.decode = DecodePhase::Receiving { table, inbound };
+        entry.decode = DecodePhase::Receiving {
+            table,
+            inbound,
+            reported: vec![None; needed as usize],
+        };
         entry.router = if self.has(Mutant::HeadersBeforeSeal) {
             RouterPhase::Streaming
         } else {
@@ -128,6 +133,11 @@ impl TransferSpec {
                     state.net.push(Msg::WriteAbortAck { request, attempt });
                 }
             }
+            Msg::Written {
+                request,
+                attempt,
+                index,
+            } => self.written(state, request, attempt, index),
             Msg::WriteAbortAck { request, attempt } => {
                 let entry = &state.requests[request as usize];
                 if entry.attempt == attempt {
@@ -159,7 +169,7 @@ impl TransferSpec {
         let current = state.requests[request as usize].attempt == attempt;
         let tenant = self.tenant(request);
         if current {
-            if let DecodePhase::Receiving { table, inbound } =
+            if let DecodePhase::Receiving { table, inbound, .. } =
                 &mut state.requests[request as usize].decode
             {
                 let verdict = inbound.accept_page(
@@ -236,6 +246,23 @@ impl TransferSpec {
             state.events |= event::LANDED_IN_QUARANTINE;
         }
         state.content[write.page as usize] = write.content;
+        // The writer reports the write once it has landed (`Frame::Written`); the mutant then
+        // writes the page again, unreported.
+        if write.reported {
+            state.net.push(Msg::Written {
+                request: write.request,
+                attempt: write.attempt,
+                index: write.index,
+            });
+            if self.has(Mutant::RewriteAfterWritten) {
+                state.writes.push(Write {
+                    content: Content::Junk,
+                    reported: false,
+                    ..write.clone()
+                });
+                state.writes.sort();
+            }
+        }
         let tenant = self.tenant(write.request);
         let entry = &mut state.requests[write.request as usize];
         if entry.attempt == write.attempt {
@@ -250,6 +277,37 @@ impl TransferSpec {
         }
     }
 
+    /// One-sided: prefill says page `index`'s write landed (`Grants::written`): decode takes
+    /// the page's hash now. A page reported twice, or past the reservation, fails the
+    /// transfer, and as on any end before `Done`, other writes may still be posted: the
+    /// reservation is quarantined until prefill's answer (the code also sends a `Nack`; the
+    /// prefill pages a posted write reads from stay leased to it, which the model leaves out).
+    /// A report for a reservation decode no longer holds changes nothing.
+    fn written(&self, state: &mut State, request: u8, attempt: u8, index: u8) {
+        let entry = &state.requests[request as usize];
+        if entry.attempt != attempt {
+            return;
+        }
+        let DecodePhase::Receiving {
+            table, reported, ..
+        } = &entry.decode
+        else {
+            return;
+        };
+        let slot = index as usize;
+        let fresh = reported.get(slot).is_some_and(Option::is_none);
+        let Some(&(page, _)) = table.get(slot).filter(|_| fresh) else {
+            self.abort_decode(state, request, Answer::Failed);
+            return;
+        };
+        let content = state.content[page as usize];
+        if let DecodePhase::Receiving { reported, .. } =
+            &mut state.requests[request as usize].decode
+        {
+            reported[slot] = Some(content);
+        }
+    }
+
     /// `Engine::done`.
     pub(super) fn verify_done(
         &self,
@@ -260,7 +318,12 @@ impl TransferSpec {
         checksum: u64,
     ) {
         let entry = &state.requests[request as usize];
-        let DecodePhase::Receiving { table, inbound } = &entry.decode else {
+        let DecodePhase::Receiving {
+            table,
+            inbound,
+            reported,
+        } = &entry.decode
+        else {
             state.net.push(Msg::Nack { request, attempt });
             return;
         };
@@ -286,11 +349,15 @@ impl TransferSpec {
         {
             state.ghost.engine_panic = true;
         }
-        // Like the engine, hash the first `page_count` pages that `Done` names.
+        // Like the engine, hash the first `page_count` pages that `Done` names: each as it was
+        // when its `Written` came, or as it is now.
         let ours: Vec<[u8; PAGE_BYTES]> = table
             .iter()
+            .zip(reported)
             .take(pages as usize)
-            .map(|&(page, _)| content_bytes(state.content[page as usize]))
+            .map(|(&(page, _), reported)| {
+                content_bytes(reported.unwrap_or(state.content[page as usize]))
+            })
             .collect();
         let verified = length.and_then(|()| {
             if self.has(Mutant::NoChecksum) {

@@ -49,6 +49,9 @@ pub enum Mutant {
     /// One-sided transport: decode frees an aborted or timed-out reservation at once, as the
     /// framed engine does (safe there only because a frame lands through the reservation).
     ImmediateRelease,
+    /// One-sided transport: prefill writes a page again, unreported, after its `Written` told
+    /// decode the page was final (the writer's one write per page is off).
+    RewriteAfterWritten,
     /// Prefix cache: a lookup matches by tokens only, whichever tenant published the page.
     CacheKeyWithoutTenant,
     /// Prefix cache: eviction may free a cached page that live tables still hold.
@@ -159,6 +162,9 @@ pub enum DecodePhase {
     Receiving {
         table: Table,
         inbound: Inbound,
+        /// One-sided: what each page held when its `Written` reached decode (the code hashes
+        /// the page then), for the checksum at `Done`; `None` until then.
+        reported: Vec<Option<Content>>,
     },
     Decoding {
         table: Table,
@@ -241,6 +247,8 @@ pub enum Msg {
     WriteAbort { request: u8, attempt: u8 },
     /// One-sided, prefill → decode: every write prefill posted for the transfer is over.
     WriteAbortAck { request: u8, attempt: u8 },
+    /// One-sided, prefill → decode: the write of page `index` has landed and is its last.
+    Written { request: u8, attempt: u8, index: u8 },
 }
 
 /// One-sided: a write prefill posted into one of decode's pages, not landed yet.
@@ -252,6 +260,9 @@ pub struct Write {
     pub page: u8,
     pub generation: u8,
     pub content: Content,
+    /// Reported to decode once landed (`Written`); only the `RewriteAfterWritten` mutant's
+    /// second write is not.
+    pub reported: bool,
 }
 
 /// Flags set by the action that breaks an invariant; every one stays false in a correct model.

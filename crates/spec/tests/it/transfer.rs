@@ -458,3 +458,19 @@ fn over_a_one_sided_transport_freeing_at_once_on_abort_lets_writes_land_in_reuse
         ],
     );
 }
+
+/// Decode hashes a one-sided page when prefill reports its write landed (`Written`), not at
+/// `Done`: that holds only while each page is written once. A writer that writes a reported
+/// page again lets decode seal, and read, bytes its checksum never covered.
+#[test]
+fn a_page_written_again_after_its_report_is_sealed_unverified() {
+    assert_found(
+        Transport::OneSided,
+        Mutant::RewriteAfterWritten,
+        Faults::NONE,
+        &[
+            "S2 a transfer is sealed only when every page holds this attempt's KV",
+            "S1/I4 a decode step reads only verified KV",
+        ],
+    );
+}

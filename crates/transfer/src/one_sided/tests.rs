@@ -18,6 +18,10 @@ struct Decode {
     pool: PageCells<u8>,
     fence: WriteFence,
     socket: UnixStream,
+    /// The `Written` frames read so far: (page index, the pool page's first byte then).
+    written: Vec<(u32, u8)>,
+    /// The pool page of each transfer page index, as the test granted it.
+    granted: HashMap<u32, usize>,
 }
 
 impl Decode {
@@ -25,7 +29,20 @@ impl Decode {
         self.pool.read(page).expect("no writer in decode").to_vec()
     }
 
+    /// The next frame but `Written`, which is recorded with what its page held on arrival.
     async fn next(&mut self) -> Frame {
+        loop {
+            let frame = self.next_any().await;
+            let Frame::Written { transfer, index } = frame else {
+                return frame;
+            };
+            assert_eq!(transfer, T);
+            let page = self.granted[&index];
+            self.written.push((index, self.page(page)[0]));
+        }
+    }
+
+    async fn next_any(&mut self) -> Frame {
         let read = tokio::time::timeout(Duration::from_secs(5), read_frame(&mut self.socket));
         read.await
             .expect("a frame in time")
@@ -34,6 +51,17 @@ impl Decode {
     }
 
     async fn send(&mut self, frame: Frame) {
+        if let Frame::WriteGrant {
+            first_index,
+            pool_pages,
+            ..
+        } = &frame
+        {
+            for (slot, &page) in pool_pages.iter().enumerate() {
+                self.granted
+                    .insert(first_index + slot as u32, page as usize);
+            }
+        }
         write_frame(&mut self.socket, &frame).await.expect("sent");
     }
 }
@@ -59,6 +87,8 @@ async fn offer(accepted_page_bytes: usize) -> (UnixStream, io::Result<SharedPool
         pool,
         fence,
         socket: decode_end,
+        written: Vec::new(),
+        granted: HashMap::new(),
     };
     (prefill_end, accepted, decode)
 }
@@ -143,6 +173,48 @@ async fn pages_wait_for_their_grant_and_done_follows_the_writes() {
         .chain(&decode.page(2))
         .all(|&b| b == 0));
     assert!(decode.fence.written() >= 2, "the writes count as progress");
+    let mut written = decode.written.clone();
+    written.sort();
+    assert_eq!(
+        written,
+        [(1, 0xA1), (2, 0xB2)],
+        "each write is reported once, after its bytes landed, and before Done"
+    );
+}
+
+/// A page is written once: decode hashes it when told it landed, so a second write would
+/// change bytes already hashed, unseen by the checksum at `Done`. The spec's
+/// `RewriteAfterWritten` mutant writes it again, after the report.
+#[tokio::test]
+async fn a_page_is_written_once_and_the_mutant_writes_it_again_after_reporting_it() {
+    for rewrite_written in [false, true] {
+        let faults = WriterFaults {
+            rewrite_written,
+            ..WriterFaults::default()
+        };
+        let (link, mut decode) = linked(faults).await;
+        link.tx.send(page(1, 0xA1)).unwrap();
+        assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+        decode.send(grant(vec![2])).await;
+        assert_eq!(
+            decode.next_any().await,
+            Frame::Written {
+                transfer: T,
+                index: 1
+            }
+        );
+        // The same page again (a duplicated frame, or a bug), with other bytes.
+        link.tx.send(page(1, 0xEE)).unwrap();
+        link.tx.send(done()).unwrap();
+        assert_eq!(decode.next().await, done());
+        let now = decode.page(2)[0];
+        assert!(decode.written.is_empty(), "a page is reported once");
+        if rewrite_written {
+            assert_eq!(now, 0xEE, "the mutant overwrote a page reported final");
+        } else {
+            assert!(decode.page(2).iter().all(|&b| b == 0xA1), "written once");
+        }
+    }
 }
 
 #[tokio::test]
@@ -200,6 +272,7 @@ async fn the_abort_answer_waits_for_posted_writes_and_the_mutant_does_not() {
             write_delay: Some(Duration::from_millis(300)),
             delayed_transfer: None,
             ack_before_quiescence,
+            rewrite_written: false,
         };
         let (mut link, mut decode) = linked(faults).await;
         link.tx.send(page(1, 0x77)).unwrap();

@@ -14,8 +14,9 @@
 //!
 //! A prefill on this host may instead write the pages one-sidedly (`transfer::one_sided`):
 //! its `GrantAsk` binds the reservation to its link and gets the pool pages; the leases stay
-//! here while it writes, and are hashed when its `Done` closes the reservation (it sends
-//! `Done` only after its writes have landed). A reservation dropped while such a prefill may
+//! here while it writes. Each page is hashed when its `Written` says the page's one write
+//! has landed (while the bytes are still in cache), and any page not reported so when its
+//! `Done` closes the reservation (it sends `Done` only after its writes have landed). A reservation dropped while such a prefill may
 //! still write is *quarantined*: its leases are kept (the pool parks the pages) until the
 //! prefill's `WriteAbortAck` says its writes are over, or, if the link is lost, until the
 //! link's [`WriteFence`] shows that none is in progress or the prefill process is gone.
@@ -69,7 +70,8 @@ struct Grant {
     /// Leases by page index: `None` for pages decode holds, and for one a reader is writing.
     pages: Vec<Option<LentPageMut>>,
     /// Each landed page's hash, computed from the page right after its bytes landed, by the
-    /// only one who could write it (`transfer::page_hash`).
+    /// only one who could write it (`transfer::page_hash`); one-sided, when its `Written`
+    /// came (a second `Written` for it fails the transfer) or at `Done`.
     hashes: Vec<Option<u64>>,
     first_frame: Option<Instant>,
     last_frame: Option<Instant>,
@@ -205,7 +207,7 @@ impl Grants {
     }
 
     /// A one-sided prefill on `link` asks for `transfer`'s pages.
-    fn grant(
+    pub(super) fn grant(
         &self,
         link: LinkId,
         transfer: TransferId,
@@ -284,6 +286,37 @@ impl Grants {
         }
     }
 
+    /// `link`'s one-sided prefill says its write of `transfer`'s page `index` landed and is
+    /// the page's last (a reader's call): the page is hashed now, under the lock, so that
+    /// nothing can take its lease meanwhile. `Err` refuses the transfer: a page outside the
+    /// written range, or reported twice. Nothing happens for a transfer no live grant of this
+    /// link holds (an abort may have dropped it while the write was under way).
+    pub(super) fn written(
+        &self,
+        link: LinkId,
+        transfer: TransferId,
+        index: u32,
+    ) -> Result<(), Reject> {
+        let mut state = self.state();
+        let Some(grant) = state.open.get_mut(&transfer) else {
+            return Ok(());
+        };
+        if !grant.one_sided || grant.sender != Some(link) {
+            return Ok(());
+        }
+        let index = index as usize;
+        // Past the reservation, or a page decode holds itself (no lease): no write was granted.
+        let (Some(Some(lease)), Some(hash)) = (grant.pages.get(index), grant.hashes.get_mut(index))
+        else {
+            return Err(Reject::BadPage);
+        };
+        if hash.is_some() {
+            return Err(Reject::BadPage);
+        }
+        *hash = Some(transfer::page_hash(lease.bytes()));
+        Ok(())
+    }
+
     /// `Done` of `transfer` arrived on `link` (a reader's call): the reservation takes no
     /// more frames. A `Done` from another link than the transfer's closes nothing.
     fn close_in_reader(&self, link: LinkId, transfer: TransferId) {
@@ -296,10 +329,10 @@ impl Grants {
             let mut grant = state.open.remove(&transfer).expect("found above");
             drop(state);
             if grant.one_sided {
-                // The prefill sent `Done` after its writes landed: hash what they left, while
-                // the leases still keep everyone else out.
+                // The prefill sent `Done` after its writes landed: hash what they left on the
+                // pages no `Written` reported, while the leases still keep everyone else out.
                 for (hash, lease) in grant.hashes.iter_mut().zip(&grant.pages) {
-                    if let Some(lease) = lease {
+                    if let (None, Some(lease)) = (&hash, lease) {
                         *hash = Some(transfer::page_hash(lease.bytes()));
                     }
                 }
@@ -455,6 +488,12 @@ impl PageSink for LinkSink {
 
     fn closing(&self, done: &TransferDone) {
         self.grants.close_in_reader(self.link, done.transfer);
+    }
+
+    fn written(&self, transfer: TransferId, index: u32) {
+        if let Err(reject) = self.grants.written(self.link, transfer, index) {
+            self.refused(transfer, Some(reject));
+        }
     }
 
     fn grant(&self, transfer: TransferId, request: RequestId, tenant: TenantId) -> Frame {

@@ -32,6 +32,8 @@ mod constrain;
 mod end;
 mod grants;
 pub(crate) use grants::{OneSidedPeer, PageSinks};
+#[cfg(test)]
+mod grants_tests;
 mod receive;
 mod reuse;
 #[cfg(test)]
@@ -577,5 +579,6 @@ fn frame_name(frame: &Frame) -> &'static str {
         Frame::WriteGrant { .. } => "WriteGrant",
         Frame::WriteAbort { .. } => "WriteAbort",
         Frame::WriteAbortAck { .. } => "WriteAbortAck",
+        Frame::Written { .. } => "Written",
     }
 }
