@@ -112,6 +112,9 @@ pub struct WriterFaults {
     /// The spec's `RewriteAfterWritten` mutant: a page frame for a page already written is
     /// written again, unreported, after decode was told (`Written`) that the page is final.
     pub rewrite_written: bool,
+    /// The link's n-th transfer (from 0) reports each of its writes twice: a writer bug that
+    /// decode refuses.
+    pub reported_twice: Option<u64>,
 }
 
 /// Posted writes in flight per transfer before the writer waits for its oldest.
@@ -219,6 +222,8 @@ enum Outgoing {
         posted: Vec<bool>,
         /// Fault injection: this transfer's writes wait this long.
         delay: Option<Duration>,
+        /// Fault injection: each write of this transfer is reported twice.
+        report_twice: bool,
     },
     /// Refused or stopped: pages are dropped, control frames still go.
     Closed,
@@ -297,6 +302,8 @@ impl Writer {
                     posted: vec![false; pool_pages.len()],
                     pool_pages,
                     delay: self.faults.write_delay.filter(|_| delayed),
+                    report_twice: self.faults.reported_twice.map(|n| n + 1)
+                        == Some(self.transfers_seen),
                 };
                 let Some(Outgoing::Asked { waiting, .. }) =
                     self.transfers.insert(transfer, granted)
@@ -375,10 +382,11 @@ impl Writer {
                     pool_pages,
                     posted,
                     delay,
+                    report_twice,
                 }) => {
                     let slot = index.checked_sub(*first_index).map(|slot| slot as usize);
                     let page = slot.and_then(|slot| pool_pages.get(slot)).copied();
-                    let delay = *delay;
+                    let (delay, reports) = (*delay, 1 + usize::from(*report_twice));
                     match (page, slot) {
                         (Some(page), Some(slot))
                             if (request, tenant) == (*granted_request, *granted_tenant) =>
@@ -392,7 +400,7 @@ impl Writer {
                                 );
                                 return Ok(());
                             }
-                            let report = first.then_some(index);
+                            let report = first.then_some((index, reports));
                             self.post(transfer, report, page as usize, bytes, delay)
                                 .await
                         }
@@ -465,11 +473,12 @@ impl Writer {
     }
 
     /// Posts the write of `bytes` into pool page `page`; once it has landed, `Written` tells
-    /// decode it was the transfer's page `report` (the mutant's second write reports nothing).
+    /// decode it was the transfer's page `report.0` (`report.1` times: once but under fault
+    /// injection; the mutant's second write reports nothing).
     async fn post(
         &mut self,
         transfer: TransferId,
-        report: Option<u32>,
+        report: Option<(u32, usize)>,
         page: usize,
         bytes: PageBytes,
         delay: Option<Duration>,
@@ -495,10 +504,12 @@ impl Writer {
                 }
             }
             drop(bytes); // the source page goes back to prefill's pool after the copy
-            if let Some(index) = report.filter(|_| written) {
+            if let Some((index, times)) = report.filter(|_| written) {
                 // Queued before this write counts as finished, so before the transfer's
                 // `Done`, which waits for it.
-                let _ = ready.send(Frame::Written { transfer, index });
+                for _ in 0..times {
+                    let _ = ready.send(Frame::Written { transfer, index });
+                }
             }
         }));
         Ok(())

@@ -31,6 +31,7 @@
 //! | `no-owner-check` | guard off | the pool skips the owner/generation compare on reads (I1), and the tenant compare of shared prefix-cache pages everywhere |
 //! | `delay-writes=MS` | prefill one-sided write | each posted page write waits MS milliseconds before it copies (a stalled transport: writes land after an abort); `@N` delays only each link's N-th transfer |
 //! | `abort-ack-early` | guard off | prefill answers decode's `WriteAbort` at once, while its posted writes may still land (the spec's `AbortAckBeforeQuiescence`) |
+//! | `report-twice` | prefill one-sided write | each write of the link's first transfer (`@N`: its N-th) is reported landed (`Written`) twice, a writer bug decode must refuse |
 //! | `no-write-quarantine` | guard off | decode frees a reservation a one-sided prefill may still write into at once, as it may a framed one (the spec's `ImmediateRelease`) |
 //! | `cache-ignores-tenant` | guard off | the prefix index forgets the tenant: any tenant's cached pages match a prompt (I10's first guard; the pool's tenant check is the second) |
 
@@ -199,6 +200,7 @@ mod imp {
         CacheIgnoresTenant,
         DelayWrites(Duration),
         AbortAckEarly,
+        ReportTwice,
         NoWriteQuarantine,
     }
 
@@ -369,6 +371,14 @@ mod imp {
                 },
                 ack_before_quiescence: self.has(Fault::AbortAckEarly),
                 rewrite_written: false,
+                reported_twice: self
+                    .rules
+                    .iter()
+                    .find_map(|rule| match (rule.fault, rule.when) {
+                        (Fault::ReportTwice, When::Nth(n)) => Some(n),
+                        (Fault::ReportTwice, _) => Some(0),
+                        _ => None,
+                    }),
             }
         }
 
@@ -495,6 +505,7 @@ mod imp {
             "cache-ignores-tenant" => Fault::CacheIgnoresTenant,
             "delay-writes" => Fault::DelayWrites(millis(argument)?),
             "abort-ack-early" => Fault::AbortAckEarly,
+            "report-twice" => Fault::ReportTwice,
             "no-write-quarantine" => Fault::NoWriteQuarantine,
             other => {
                 return Err(FaultPlanError(format!(

@@ -740,6 +740,32 @@ fn writes_held_past_an_abort_keep_their_pages_quarantined_and_corrupt_without_th
     }
 }
 
+/// A one-sided writer that reports a page's write twice (`report-twice`: it broke the rule
+/// that lets decode hash a page when its write is reported): decode refuses the transfer as
+/// it would a bad page frame, quarantines the reservation until the writer's posted writes
+/// are over, and the request gets its 503. Every request after it is oracle-exact, and the
+/// pools end all-free.
+#[test]
+fn a_write_reported_twice_fails_its_transfer_and_spares_the_rest() {
+    let mut options = oracle_options();
+    options.kv_transport = KvTransport::Shm;
+    options.faults = vec![(
+        Role::Prefill,
+        FaultPlan::parse("report-twice@0", 1).expect("plan"),
+    )];
+    let server = harness::start(options);
+    harness::runtime().block_on(async {
+        let faulty = ask(&server.url, ALICE, ALICE.prompt(99, 60), MAX_TOKENS).await;
+        faulty.assert_clean();
+        assert_eq!(faulty.answer.status, 503, "{}", faulty.answer.body);
+        assert_eq!(faulty.answer.code(), "kv_transfer_failed");
+        for outcome in burst(&server.url, 4, 0).await {
+            outcome.assert_exact();
+        }
+        assert_idle(&server.url).await;
+    });
+}
+
 fn ms(millis: u64) -> Duration {
     Duration::from_millis(millis)
 }

@@ -272,7 +272,7 @@ async fn the_abort_answer_waits_for_posted_writes_and_the_mutant_does_not() {
             write_delay: Some(Duration::from_millis(300)),
             delayed_transfer: None,
             ack_before_quiescence,
-            rewrite_written: false,
+            ..WriterFaults::default()
         };
         let (mut link, mut decode) = linked(faults).await;
         link.tx.send(page(1, 0x77)).unwrap();
