@@ -215,9 +215,61 @@ impl RemotePages {
         // to the destination.
         unsafe {
             let destination = self.memory.as_ptr().as_ptr().add(page * self.page_bytes);
-            std::ptr::copy_nonoverlapping(bytes.as_ptr(), destination, bytes.len());
+            copy_streaming(bytes, destination);
         }
         true
+    }
+}
+
+/// Copies `source` to `destination` with non-temporal stores where the CPU has them (every
+/// x86-64 does), then fences them.
+///
+/// Why: a page written into a peer's pool is for the peer's cores to read, not this one's, so
+/// ordinary stores, which first read each destination line into this core's cache, spend
+/// memory bandwidth for nothing. On the 2-core AMD EPYC VM of 2026-12-07 a C probe copied
+/// 368,640-byte pages at 18.4 GB/s this way against 12.5–13.4 GB/s for `memcpy`. The fence
+/// makes the stores visible to every later store of this thread (the write fence's counter,
+/// the channel that reports the write), as ordinary stores are.
+///
+/// # Safety
+/// `destination` must be valid for writes of `source.len()` bytes, and those bytes must not
+/// overlap `source`.
+pub(crate) unsafe fn copy_streaming(source: &[u8], destination: *mut u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        const LINE: usize = 64;
+        let len = source.len();
+        // Bytes up to the first 16-byte boundary of the destination go as ordinary stores,
+        // as does the tail past the last whole line.
+        let head = destination.align_offset(16).min(len);
+        let lines = (len - head) / LINE;
+        // SAFETY: every offset below is less than `len`, so every pointer stays inside the
+        // caller's two ranges; `destination + head` is 16-byte aligned, as the streaming
+        // stores need, and stays so in steps of 16; SSE2 is part of x86-64.
+        unsafe {
+            std::ptr::copy_nonoverlapping(source.as_ptr(), destination, head);
+            let (from, to) = (source.as_ptr().add(head), destination.add(head));
+            for line in 0..lines {
+                for part in 0..LINE / 16 {
+                    let at = line * LINE + part * 16;
+                    let value = _mm_loadu_si128(from.add(at).cast::<__m128i>());
+                    _mm_stream_si128(to.add(at).cast::<__m128i>(), value);
+                }
+            }
+            let done = head + lines * LINE;
+            std::ptr::copy_nonoverlapping(
+                source.as_ptr().add(done),
+                destination.add(done),
+                len - done,
+            );
+            _mm_sfence();
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: the caller's contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(source.as_ptr(), destination, source.len());
     }
 }
 

@@ -525,8 +525,8 @@ pub enum Frame {
         transfer: TransferId,
     },
     /// Prefill -> decode: the write of the transfer's page `index` has landed, and no other
-    /// write of that page will follow; decode may hash it now, while it is in cache, instead
-    /// of at `Done`.
+    /// write of that page will follow; decode may hash it now, while the transfer runs,
+    /// instead of at `Done`.
     Written {
         transfer: TransferId,
         index: u32,

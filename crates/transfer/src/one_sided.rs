@@ -8,13 +8,15 @@
 //! - Prefill asks for a grant (`GrantAsk`) on a transfer's first page; decode binds its
 //!   reservation to the link and answers with the pool pages (`WriteGrant`). Pages wait on the
 //!   prefill side until then.
-//! - A page write is *posted*: it runs on a blocking thread while the link goes on. A control
-//!   frame that ends a transfer's writes (`Done`, `TransferAbort`, `WriteAbortAck`) leaves only
-//!   once every posted write of that transfer has completed (`Done` follows the bytes it vouches
-//!   for); other transfers on the link go on meanwhile.
+//! - A page write is *posted*: it runs on the link's copy thread, behind the writes posted
+//!   before it, while the link goes on (`copier`; non-temporal stores, since decode's cores
+//!   read the page, not prefill's). A control frame that ends a transfer's writes (`Done`,
+//!   `TransferAbort`, `WriteAbortAck`) leaves only once every posted write of that transfer has
+//!   completed (`Done` follows the bytes it vouches for); other transfers on the link go on
+//!   meanwhile.
 //! - Each granted page is written at most once, and a `Written` frame says so as soon as its
 //!   write has landed (before the transfer's `Done`, on the same socket): decode hashes the
-//!   page then, while it is still in cache, rather than every page at `Done`.
+//!   page then, while the transfer runs, rather than every page at `Done`.
 //! - Decode, dropping a reservation prefill may still write into, quarantines its pages and
 //!   sends `WriteAbort`; prefill stops posting that transfer's pages and answers
 //!   `WriteAbortAck` once its posted writes have completed. Only then are the pages reused.
@@ -24,8 +26,11 @@
 //! Everything decode reads is still verified as on TCP: `Done`'s counts against the
 //! reservation and the checksum recomputed over decode's own pages, after the writes.
 
+mod copier;
+
 use crate::transport::{read_frame, write_frame, BoxStream, Link, LinkTasks};
 use crate::{Frame, PageBytes, TransferId};
+use copier::{Copier, Pending};
 use hugemem::shared::{recv_fds, send_fds, RemotePages, WriteFence};
 use kv::{RequestId, TenantId};
 use std::collections::{HashMap, VecDeque};
@@ -36,7 +41,6 @@ use std::time::Duration;
 use tokio::io::{AsyncWriteExt, Interest, WriteHalf};
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 /// What decode tells prefill about its pool, with the pool's memfd and the link's fence.
 const OFFER_MAGIC: [u8; 4] = *b"ALSM";
@@ -171,7 +175,9 @@ pub fn spawn_one_sided_link(
         }
     });
     let (ready_tx, ready_rx) = mpsc::unbounded_channel();
+    let copier = Copier::start(&name);
     let writer = Writer {
+        copier,
         socket: write_half,
         pool,
         faults,
@@ -235,7 +241,8 @@ struct Writer {
     faults: WriterFaults,
     transfers: HashMap<TransferId, Outgoing>,
     /// Posted writes not yet known to be complete, per transfer.
-    posted: HashMap<TransferId, VecDeque<JoinHandle<()>>>,
+    posted: HashMap<TransferId, VecDeque<Pending>>,
+    copier: Copier,
     /// Control frames whose transfer's writes have completed, to send.
     ready: mpsc::UnboundedSender<Frame>,
     /// Transfers this link has asked grants for (for `WriterFaults::delayed_transfer`).
@@ -266,9 +273,9 @@ impl Writer {
             }
         }
         // The engine let go: what is still waiting for its writes goes once they complete.
-        let waiting: Vec<JoinHandle<()>> = self.posted.drain().flat_map(|(_, w)| w).collect();
+        let waiting: Vec<Pending> = self.posted.drain().flat_map(|(_, w)| w).collect();
         for write in waiting {
-            let _ = write.await;
+            let _ = write.finished().await;
         }
         while let Ok(frame) = ready.try_recv() {
             if write_frame(&mut self.socket, &frame).await.is_err() {
@@ -452,7 +459,7 @@ impl Writer {
     /// writes that finished.
     async fn after_writes(&mut self, transfer: TransferId, frame: Frame) -> io::Result<()> {
         self.posted.retain(|_, writes| {
-            writes.retain(|write| !write.is_finished());
+            writes.retain_mut(|write| !write.is_finished());
             !writes.is_empty()
         });
         let Some(writes) = self.posted.remove(&transfer) else {
@@ -464,11 +471,14 @@ impl Writer {
             for write in writes {
                 // Over either way: a write that panicked runs no more (what it left is for
                 // decode's checksum to judge).
-                let _ = write.await;
+                let _ = write.finished().await;
             }
             let _ = ready.send(frame);
         });
-        self.posted.entry(transfer).or_default().push_back(waiter);
+        self.posted
+            .entry(transfer)
+            .or_default()
+            .push_back(Pending::Task(waiter));
         Ok(())
     }
 
@@ -486,12 +496,12 @@ impl Writer {
         let posted = self.posted.entry(transfer).or_default();
         while posted.len() >= POSTED_MAX {
             if let Some(oldest) = posted.pop_front() {
-                oldest.await.map_err(io::Error::other)?;
+                oldest.finished().await?;
             }
         }
         let pool = self.pool.clone();
         let ready = self.ready.clone();
-        posted.push_back(tokio::task::spawn_blocking(move || {
+        let write = move || {
             if let Some(delay) = delay {
                 std::thread::sleep(delay);
             }
@@ -511,7 +521,13 @@ impl Writer {
                     let _ = ready.send(Frame::Written { transfer, index });
                 }
             }
-        }));
+        };
+        // A delayed write (fault injection) waits on a thread of its own, not in front of
+        // every later copy of the link.
+        posted.push_back(match delay {
+            None => self.copier.post(write),
+            Some(_) => Pending::Task(tokio::task::spawn_blocking(write)),
+        });
         Ok(())
     }
 }

@@ -201,3 +201,29 @@ fn a_pool_in_shared_memory_is_populated_when_made() {
         .iter()
         .all(|&v| v == 0xA5A5));
 }
+
+#[test]
+fn a_streaming_copy_writes_exactly_its_range_at_any_alignment_and_length() {
+    // Lengths around the 16-byte head and 64-byte lines, and a real KV page; destinations at
+    // every offset of a 16-byte boundary. The bytes around the range must stay untouched.
+    let source: Vec<u8> = (0..368_640u32 + 200).map(|i| (i * 7 + 3) as u8).collect();
+    for len in [0, 1, 15, 16, 17, 63, 64, 65, 127, 129, 1000, 4096, 368_640] {
+        for offset in 0..17 {
+            for source_offset in [0, 3] {
+                let mut target = vec![0xEEu8; len + 64];
+                let from = &source[source_offset..source_offset + len];
+                // SAFETY: `target` holds `offset + len` bytes past its start (len + 64 in
+                // all), and it is a buffer of its own, apart from `source`.
+                unsafe { copy_streaming(from, target.as_mut_ptr().add(offset)) };
+                assert_eq!(&target[offset..offset + len], from, "len {len} at {offset}");
+                assert!(
+                    target[..offset]
+                        .iter()
+                        .chain(&target[offset + len..])
+                        .all(|&b| b == 0xEE),
+                    "a byte outside the range changed: len {len} at {offset}"
+                );
+            }
+        }
+    }
+}

@@ -15,7 +15,7 @@
 //! A prefill on this host may instead write the pages one-sidedly (`transfer::one_sided`):
 //! its `GrantAsk` binds the reservation to its link and gets the pool pages; the leases stay
 //! here while it writes. Each page is hashed when its `Written` says the page's one write
-//! has landed (while the bytes are still in cache), and any page not reported so when its
+//! has landed (while the transfer still runs), and any page not reported so when its
 //! `Done` closes the reservation (it sends `Done` only after its writes have landed). A
 //! reservation dropped while such a prefill may still write is *quarantined*: its leases are
 //! kept (the pool parks the pages) until the prefill's `WriteAbortAck` says its writes are
