@@ -667,7 +667,8 @@ fn sweep_on(
             let started = Instant::now();
             sender_pool.set_state(&table, PageState::Sealed)?;
             // As the engine sends: pages lent from the pool, each hashed in place and then
-            // handed to the link's writer, which sends it while the next is hashed.
+            // handed to the link's writer, which sends it while the next is hashed (one-sided,
+            // the writer hashes each page as it copies it and computes `Done`'s checksum).
             let lent = sender_pool.lend(&table, 0..table.pages().len())?;
             let mut done = TransferDone {
                 transfer,
@@ -679,7 +680,10 @@ fn sweep_on(
             };
             let mut hasher = TransferHasher::new(&done);
             for (index, page) in lent.into_iter().enumerate() {
-                hasher.page(page.bytes());
+                // One-sided, the link's writer hashes each page as it copies it.
+                if !one_sided {
+                    hasher.page(page.bytes());
+                }
                 sender_link
                     .tx
                     .send(Frame::Page {
@@ -692,7 +696,9 @@ fn sweep_on(
                     .ok()
                     .context("the sending link closed")?;
             }
-            done.checksum = hasher.finish();
+            if !one_sided {
+                done.checksum = hasher.finish();
+            }
             sender_link
                 .tx
                 .send(Frame::Done(done))

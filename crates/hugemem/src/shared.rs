@@ -201,6 +201,27 @@ impl RemotePages {
         self.page_count
     }
 
+    /// Copies `bytes` into page `page` with `copy` (given the source and the page's start) and
+    /// returns what it returns; `None` (and nothing written) for a page past the pool or bytes
+    /// of another length than a page.
+    ///
+    /// # Safety
+    /// `copy` must write at most `bytes.len()` bytes from the pointer it is given.
+    pub unsafe fn write_with<R>(
+        &self,
+        page: usize,
+        bytes: &[u8],
+        copy: impl FnOnce(&[u8], *mut u8) -> R,
+    ) -> Option<R> {
+        if page >= self.page_count || bytes.len() != self.page_bytes {
+            return None;
+        }
+        // SAFETY: as in `write`: the page lies inside the sealed mapping, apart from `bytes`;
+        // `copy` writes within it (this function's contract).
+        let destination = unsafe { self.memory.as_ptr().as_ptr().add(page * self.page_bytes) };
+        Some(copy(bytes, destination))
+    }
+
     /// Copies `bytes` into page `page`. False (and nothing written) for a page past the
     /// pool or bytes of another length than a page.
     pub fn write(&self, page: usize, bytes: &[u8]) -> bool {

@@ -41,7 +41,9 @@ pub use ops::{
 };
 pub use quant::{quantize_acts, quantize_blocks, ActBlock, QuantActs, BLOCK};
 pub use workers::{Turn, Workers};
-pub use xxh3::{xxh3_64_long, xxh3_64_long_scalar, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};
+pub use xxh3::{
+    xxh3_64_long, xxh3_64_long_copy, xxh3_64_long_scalar, XXH3_SECRET_BYTES, XXH3_SHORT_MAX,
+};
 
 /// Errors from building kernels' data structures out of untrusted bytes.
 #[derive(Debug, thiserror::Error)]

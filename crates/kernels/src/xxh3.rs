@@ -42,6 +42,29 @@ pub fn xxh3_64_long(input: &[u8], secret: &[u8; XXH3_SECRET_BYTES]) -> u64 {
     xxh3_64_long_scalar(input, secret)
 }
 
+/// Copies `input` to `destination` and returns [`xxh3_64_long`] of it, reading `input` once:
+/// the one-sided writer's copy of a page into a peer's pool, which also yields the page's hash
+/// for the transfer checksum. With AVX2 the stores are non-temporal where `destination` and the
+/// length allow (the page is for another core to read) and fenced before returning.
+///
+/// # Safety
+/// `destination` must be valid for writes of `input.len()` bytes that do not overlap `input`.
+pub unsafe fn xxh3_64_long_copy(
+    input: &[u8],
+    destination: *mut u8,
+    secret: &[u8; XXH3_SECRET_BYTES],
+) -> u64 {
+    assert!(input.len() > XXH3_SHORT_MAX, "long inputs only");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above; the rest is the caller's contract.
+        return unsafe { avx2::xxh3_64_long_copy(input, destination, secret) };
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(input.as_ptr(), destination, input.len()) };
+    xxh3_64_long_scalar(input, secret)
+}
+
 /// The portable path of [`xxh3_64_long`], public so tests can hold the fast one to it.
 pub fn xxh3_64_long_scalar(input: &[u8], secret: &[u8; XXH3_SECRET_BYTES]) -> u64 {
     assert!(input.len() > XXH3_SHORT_MAX, "long inputs only");
@@ -153,6 +176,89 @@ mod avx2 {
         }
     }
 
+    /// [`super::xxh3_64_long_copy`]: the same stripes as [`xxh3_64_long`], each stored to
+    /// `destination` as it is loaded (the last, overlapping stripe stores bytes already stored,
+    /// with the same values).
+    ///
+    /// # Safety
+    /// AVX2; `destination` valid for writes of `input.len()` bytes apart from `input`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn xxh3_64_long_copy(
+        input: &[u8],
+        destination: *mut u8,
+        secret: &[u8; XXH3_SECRET_BYTES],
+    ) -> u64 {
+        let len = input.len();
+        // Streaming stores need 32-byte aligned addresses: every stripe's when `destination`
+        // is aligned and the length a multiple of 32 (the last stripe starts at `len - 64`).
+        let stream = (destination as usize).is_multiple_of(32) && len.is_multiple_of(32);
+        let mut acc = [_mm256_setzero_si256(); 2];
+        // SAFETY (all loads and stores below): the offsets are those of `xxh3_64_long`, in
+        // bounds of `input` and, as `destination` is as long, of it; unaligned loads and
+        // stores take any address, streaming ones only when `stream` (see above).
+        unsafe {
+            for (half, lanes) in acc.iter_mut().enumerate() {
+                *lanes = _mm256_loadu_si256(INIT_ACC.as_ptr().add(4 * half).cast());
+            }
+            let blocks = (len - 1) / BLOCK;
+            let (from, to, key) = (input.as_ptr(), destination, secret.as_ptr());
+            for block in 0..blocks {
+                for stripe in 0..STRIPES_PER_BLOCK {
+                    let at = block * BLOCK + stripe * STRIPE;
+                    let key = key.add(stripe * SECRET_CONSUME);
+                    accumulate_copy(&mut acc, from.add(at), to.add(at), key, stream);
+                }
+                scramble(&mut acc, key.add(XXH3_SECRET_BYTES - STRIPE));
+            }
+            let stripes = ((len - 1) - blocks * BLOCK) / STRIPE;
+            for stripe in 0..stripes {
+                let at = blocks * BLOCK + stripe * STRIPE;
+                let key = key.add(stripe * SECRET_CONSUME);
+                accumulate_copy(&mut acc, from.add(at), to.add(at), key, stream);
+            }
+            let (at, last) = (len - STRIPE, XXH3_SECRET_BYTES - STRIPE - LAST_ACC_START);
+            accumulate_copy(&mut acc, from.add(at), to.add(at), key.add(last), stream);
+            // Streaming stores are weakly ordered: fence them before whatever this thread
+            // does next (the write's report) can be seen.
+            _mm_sfence();
+            let mut out = [0u64; 8];
+            for (half, lanes) in acc.iter().enumerate() {
+                _mm256_storeu_si256(out.as_mut_ptr().add(4 * half).cast(), *lanes);
+            }
+            merge(&out, secret, len)
+        }
+    }
+
+    /// [`accumulate`], storing the stripe to `destination` too.
+    ///
+    /// # Safety
+    /// AVX2; `stripe` readable and `destination` writable for 64 bytes, `secret` readable for
+    /// 64; `destination` 32-byte aligned if `stream`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn accumulate_copy(
+        acc: &mut [__m256i; 2],
+        stripe: *const u8,
+        destination: *mut u8,
+        secret: *const u8,
+        stream: bool,
+    ) {
+        for half in 0..2 {
+            // SAFETY: the caller's bounds; 32 bytes at offset 0 or 32 of 64.
+            unsafe {
+                let data = _mm256_loadu_si256(stripe.add(32 * half).cast());
+                let to = destination.add(32 * half).cast::<__m256i>();
+                if stream {
+                    _mm256_stream_si256(to, data);
+                } else {
+                    _mm256_storeu_si256(to, data);
+                }
+            }
+        }
+        // SAFETY: the caller's bounds.
+        unsafe { accumulate(acc, stripe, secret) }
+    }
+
     /// # Safety
     /// AVX2; `stripe` points at 64 readable bytes and `secret` at 64.
     #[target_feature(enable = "avx2")]
@@ -222,6 +328,38 @@ mod tests {
                 "scalar, {len}"
             );
             assert_eq!(xxh3_64_long(input, &secret), reference, "dispatched, {len}");
+        }
+    }
+
+    #[test]
+    fn the_copying_hash_equals_the_hash_and_copies_exactly_its_range() {
+        let secret = secret();
+        let mut rng = stats::SplitMix64::new(11);
+        let data: Vec<u8> = (0..370_000).map(|_| rng.next_u64() as u8).collect();
+        for len in [241, 256, 1024, 1087, 4096, 4097, 368_640] {
+            // Offsets 0 and 32 stream (with a length that is a multiple of 32); the others
+            // take ordinary stores.
+            for offset in [0, 1, 8, 32] {
+                let input = &data[..len];
+                let mut target = vec![0xEEu8; len + 128];
+                let at = target.as_ptr().align_offset(32) + offset;
+                // SAFETY: `target` has `at + len` bytes (at < 64) and is apart from `data`.
+                let hash =
+                    unsafe { xxh3_64_long_copy(input, target.as_mut_ptr().add(at), &secret) };
+                assert_eq!(
+                    hash,
+                    xxh3_64_with_secret(input, &secret),
+                    "{len} at {offset}"
+                );
+                assert_eq!(&target[at..at + len], input, "{len} at {offset}");
+                assert!(
+                    target[..at]
+                        .iter()
+                        .chain(&target[at + len..])
+                        .all(|&b| b == 0xEE),
+                    "a byte outside the range changed: {len} at {offset}"
+                );
+            }
         }
     }
 

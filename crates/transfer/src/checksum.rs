@@ -4,7 +4,8 @@
 //! crossed the wire.
 //!
 //! Per-page hashes let both sides hash while the transfer runs: the sender hashes each page
-//! as the prefill chunk that wrote it completes ([`TransferHasher`]), and decode's link reader
+//! as the prefill chunk that wrote it completes ([`TransferHasher`]; one-sided, the link's
+//! writer hashes it as it copies it), and decode's link reader
 //! hashes each page right after landing it, while it alone may write the page (its lease), or,
 //! one-sided, when the writer reports the page's one write landed (`Frame::Written`); so at
 //! `Done` only the root is left to compute.

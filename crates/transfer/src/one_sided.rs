@@ -17,6 +17,14 @@
 //! - Each granted page is written at most once, and a `Written` frame says so as soon as its
 //!   write has landed (before the transfer's `Done`, on the same socket): decode hashes the
 //!   page then, while the transfer runs, rather than every page at `Done`.
+//! - The writer computes `Done`'s checksum: each copy hashes the page as it copies it
+//!   (`kernels::xxh3_64_long_copy`, one read of the source for both), the engine hands the
+//!   writer the pages decode holds too, which are hashed and not written, and `Done` leaves
+//!   with the root over those hashes (a page never hashed counts as 0, so decode's checksum
+//!   cannot match). The hash is taken from the bytes the copy stores, which are the frame's
+//!   own, so it vouches for what prefill lent, as the engine's did. Fault plans that alter a
+//!   transfer's frames on their way to the writer keep the engine's checksum instead
+//!   ([`WriterFaults::engine_checksums`]), so that what they plant stays a corruption.
 //! - Decode, dropping a reservation prefill may still write into, quarantines its pages and
 //!   sends `WriteAbort`; prefill stops posting that transfer's pages and answers
 //!   `WriteAbortAck` once its posted writes have completed. Only then are the pages reused.
@@ -119,6 +127,10 @@ pub struct WriterFaults {
     /// The link's n-th transfer (from 0) reports each of its writes twice: a writer bug that
     /// decode refuses.
     pub reported_twice: Option<u64>,
+    /// `Done` keeps the checksum the engine gave it instead of the one the writer computes
+    /// from its copies: for fault plans that alter a transfer's frames before they reach the
+    /// writer, whose planted corruption must stay a corruption of what prefill computed.
+    pub engine_checksums: bool,
 }
 
 /// Posted writes in flight per transfer before the writer waits for its oldest.
@@ -230,6 +242,9 @@ enum Outgoing {
         delay: Option<Duration>,
         /// Fault injection: each write of this transfer is reported twice.
         report_twice: bool,
+        /// Each page's hash, by transfer index, taken as it was copied (or, for a page decode
+        /// holds, read): what `Done`'s checksum is computed from.
+        hashes: PageHashes,
     },
     /// Refused or stopped: pages are dropped, control frames still go.
     Closed,
@@ -311,6 +326,7 @@ impl Writer {
                     delay: self.faults.write_delay.filter(|_| delayed),
                     report_twice: self.faults.reported_twice.map(|n| n + 1)
                         == Some(self.transfers_seen),
+                    hashes: PageHashes::default(),
                 };
                 let Some(Outgoing::Asked { waiting, .. }) =
                     self.transfers.insert(transfer, granted)
@@ -390,10 +406,19 @@ impl Writer {
                     posted,
                     delay,
                     report_twice,
+                    hashes,
                 }) => {
                     let slot = index.checked_sub(*first_index).map(|slot| slot as usize);
                     let page = slot.and_then(|slot| pool_pages.get(slot)).copied();
                     let (delay, reports) = (*delay, 1 + usize::from(*report_twice));
+                    let hashes = hashes.clone();
+                    if slot.is_none() && (request, tenant) == (*granted_request, *granted_tenant) {
+                        // A page decode holds: hashed for `Done`, not written.
+                        let write = move || hashes.put(index, crate::page_hash(&bytes));
+                        let pending = self.copier.post(write);
+                        self.posted.entry(transfer).or_default().push_back(pending);
+                        return Ok(());
+                    }
                     match (page, slot) {
                         (Some(page), Some(slot))
                             if (request, tenant) == (*granted_request, *granted_tenant) =>
@@ -408,7 +433,7 @@ impl Writer {
                                 return Ok(());
                             }
                             let report = first.then_some((index, reports));
-                            self.post(transfer, report, page as usize, bytes, delay)
+                            self.post(transfer, report, page as usize, bytes, delay, hashes)
                                 .await
                         }
                         _ => {
@@ -435,7 +460,7 @@ impl Writer {
                     // The mutant: the answer overtakes the writes it vouches for.
                     return write_frame(&mut self.socket, &ack).await;
                 }
-                self.after_writes(transfer, ack).await
+                self.after_writes(transfer, Closing::Frame(ack)).await
             }
             frame => write_frame(&mut self.socket, &frame).await,
         }
@@ -448,7 +473,20 @@ impl Writer {
             waiting.push(frame);
             return Ok(());
         }
-        self.transfers.remove(&transfer);
+        let hashes = match self.transfers.remove(&transfer) {
+            Some(Outgoing::Granted { hashes, .. }) => Some(hashes),
+            // No page of it came: a transfer of no pages (a one-token prompt) still needs its
+            // checksum, over none.
+            None => Some(PageHashes::default()),
+            // Refused or stopped: decode has dropped it, whatever `Done` says.
+            Some(_) => None,
+        };
+        let frame = match (frame, hashes) {
+            (Frame::Done(done), Some(hashes)) if !self.faults.engine_checksums => {
+                Closing::Done(done, hashes)
+            }
+            (frame, _) => Closing::Frame(frame),
+        };
         self.after_writes(transfer, frame).await
     }
 
@@ -457,13 +495,13 @@ impl Writer {
     /// counts as one of the transfer's writes, so a later frame of the transfer waits for it
     /// and leaves after this one. Either way it goes behind the `Written` frames of the
     /// writes that finished.
-    async fn after_writes(&mut self, transfer: TransferId, frame: Frame) -> io::Result<()> {
+    async fn after_writes(&mut self, transfer: TransferId, frame: Closing) -> io::Result<()> {
         self.posted.retain(|_, writes| {
             writes.retain_mut(|write| !write.is_finished());
             !writes.is_empty()
         });
         let Some(writes) = self.posted.remove(&transfer) else {
-            let _ = self.ready.send(frame);
+            let _ = self.ready.send(frame.into_frame());
             return Ok(());
         };
         let ready = self.ready.clone();
@@ -473,7 +511,7 @@ impl Writer {
                 // decode's checksum to judge).
                 let _ = write.finished().await;
             }
-            let _ = ready.send(frame);
+            let _ = ready.send(frame.into_frame());
         });
         self.posted
             .entry(transfer)
@@ -492,6 +530,7 @@ impl Writer {
         page: usize,
         bytes: PageBytes,
         delay: Option<Duration>,
+        hashes: PageHashes,
     ) -> io::Result<()> {
         let posted = self.posted.entry(transfer).or_default();
         while posted.len() >= POSTED_MAX {
@@ -508,7 +547,17 @@ impl Writer {
             // Fenced (the link is gone and decode may reuse the page): nothing is written.
             let mut written = false;
             if let Some(_writing) = pool.fence.begin_write() {
-                written = pool.pages.write(page, &bytes);
+                // SAFETY: `xxh3_64_long_copy` writes exactly `bytes.len()` bytes at the
+                // pointer, which `write_with` checked is a whole page of the mapping.
+                let hash = unsafe {
+                    pool.pages.write_with(page, &bytes, |from, to| {
+                        kernels::xxh3_64_long_copy(from, to, &crate::checksum::PAGE_SECRET)
+                    })
+                };
+                if let (Some(hash), Some((index, _))) = (hash, report) {
+                    hashes.put(index, hash);
+                }
+                written = hash.is_some();
                 if !written {
                     tracing::warn!(page, "a grant named a page outside the pool; dropped");
                 }
@@ -534,3 +583,43 @@ impl Writer {
 
 #[cfg(test)]
 mod tests;
+
+/// A frame that waits for its transfer's posted writes: `Done` takes its checksum from the
+/// hashes of the transfer's pages once they are all in.
+enum Closing {
+    Frame(Frame),
+    Done(crate::TransferDone, PageHashes),
+}
+
+impl Closing {
+    fn into_frame(self) -> Frame {
+        match self {
+            Closing::Frame(frame) => frame,
+            Closing::Done(mut done, hashes) => {
+                done.checksum = hashes.checksum(&done);
+                Frame::Done(done)
+            }
+        }
+    }
+}
+
+/// One transfer's page hashes by index, filled by its copies as they run.
+#[derive(Clone, Default)]
+struct PageHashes(Arc<std::sync::Mutex<std::collections::BTreeMap<u32, u64>>>);
+
+impl PageHashes {
+    fn put(&self, index: u32, hash: u64) {
+        self.0.lock().expect("page hashes lock").insert(index, hash);
+    }
+
+    /// The transfer checksum over the `done.page_count` pages; a page never hashed (not sent,
+    /// or not written) counts as hash 0, so decode's own checksum cannot match.
+    fn checksum(&self, done: &crate::TransferDone) -> u64 {
+        let hashes = self.0.lock().expect("page hashes lock");
+        let mut root = crate::TransferHasher::new(done);
+        for index in 0..done.page_count {
+            root.page_hash(hashes.get(&index).copied().unwrap_or(0));
+        }
+        root.finish()
+    }
+}

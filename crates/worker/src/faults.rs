@@ -379,6 +379,7 @@ mod imp {
                         (Fault::ReportTwice, _) => Some(0),
                         _ => None,
                     }),
+                engine_checksums: self.reshapes_transfers(),
             }
         }
 

@@ -125,6 +125,20 @@ fn done() -> Frame {
     })
 }
 
+/// `done()` as the writer sends it: its checksum computed from the pages it hashed, page
+/// `i` filled with `fills[i]` (`None`: never hashed, which counts as hash 0).
+fn done_written(fills: [Option<u8>; 3]) -> Frame {
+    let Frame::Done(mut done) = done() else {
+        unreachable!("done() is a Done")
+    };
+    let mut root = crate::TransferHasher::new(&done);
+    for fill in fills {
+        root.page_hash(fill.map_or(0, |fill| crate::page_hash(&[fill; PAGE_BYTES])));
+    }
+    done.checksum = root.finish();
+    Frame::Done(done)
+}
+
 fn grant(pool_pages: Vec<u32>) -> Frame {
     Frame::WriteGrant {
         transfer: T,
@@ -156,7 +170,7 @@ async fn pages_wait_for_their_grant_and_done_follows_the_writes() {
     decode.send(grant(vec![3, 0])).await;
     assert_eq!(
         decode.next().await,
-        done(),
+        done_written([None, Some(0xA1), Some(0xB2)]),
         "Done, and only after the writes"
     );
     assert!(
@@ -206,7 +220,8 @@ async fn a_page_is_written_once_and_the_mutant_writes_it_again_after_reporting_i
         // The same page again (a duplicated frame, or a bug), with other bytes.
         link.tx.send(page(1, 0xEE)).unwrap();
         link.tx.send(done()).unwrap();
-        assert_eq!(decode.next().await, done());
+        // The checksum is the first write's: the mutant's second one is not hashed either.
+        assert_eq!(decode.next().await, done_written([None, Some(0xA1), None]));
         let now = decode.page(2)[0];
         assert!(decode.written.is_empty(), "a page is reported once");
         if rewrite_written {
@@ -232,7 +247,12 @@ async fn a_page_outside_its_grant_or_of_another_request_is_not_written() {
     ] {
         link.tx.send(frame).unwrap();
     }
-    assert_eq!(decode.next().await, done());
+    // Page 0, which decode holds, is hashed for the checksum though not written; page 2,
+    // past the grant, is neither.
+    assert_eq!(
+        decode.next().await,
+        done_written([Some(0x33), Some(0x11), None])
+    );
     assert!(
         decode.page(2).iter().all(|&b| b == 0x11),
         "only the granted page"
@@ -311,7 +331,7 @@ async fn a_fenced_link_writes_nothing_more() {
     assert!(decode.fence.quiesced());
     decode.send(grant(vec![0])).await;
     link.tx.send(done()).unwrap();
-    assert_eq!(decode.next().await, done());
+    assert_eq!(decode.next().await, done_written([None, None, None]));
     assert!(
         decode.page(0).iter().all(|&b| b == 0),
         "fenced: not written"
@@ -330,4 +350,54 @@ async fn an_offer_of_another_page_size_is_refused() {
         .await
         .unwrap();
     assert!(accept_pool(&prefill_end, PAGE_BYTES).await.is_err());
+}
+
+#[tokio::test]
+async fn done_carries_the_writers_checksum_unless_the_engine_keeps_its_own() {
+    for engine_checksums in [false, true] {
+        let faults = WriterFaults {
+            engine_checksums,
+            ..WriterFaults::default()
+        };
+        let (link, mut decode) = linked(faults).await;
+        for frame in [page(0, 0x10), page(1, 0xA1), page(2, 0xB2), done()] {
+            link.tx.send(frame).unwrap();
+        }
+        assert!(matches!(decode.next().await, Frame::GrantAsk { .. }));
+        decode.send(grant(vec![3, 0])).await;
+        let expected = if engine_checksums {
+            done()
+        } else {
+            done_written([Some(0x10), Some(0xA1), Some(0xB2)])
+        };
+        assert_eq!(
+            decode.next().await,
+            expected,
+            "engine_checksums {engine_checksums}"
+        );
+        // Whoever computed it, the writer's checksum is what decode finds in its own pages.
+        let Frame::Done(written) = done_written([Some(0x10), Some(0xA1), Some(0xB2)]) else {
+            unreachable!()
+        };
+        let held = vec![0x10u8; PAGE_BYTES];
+        let (one, two) = (decode.page(3), decode.page(0));
+        let pages: [&[u8]; 3] = [&held, &one, &two];
+        assert_eq!(crate::transfer_checksum(&written, pages), written.checksum);
+    }
+}
+
+#[tokio::test]
+async fn a_transfer_of_no_pages_gets_its_checksum_over_none() {
+    // A one-token prompt moves no KV: `Done` alone, with no page to ask a grant for.
+    let (link, mut decode) = linked(WriterFaults::default()).await;
+    let Frame::Done(mut empty) = done() else {
+        unreachable!()
+    };
+    empty.page_count = 0;
+    link.tx.send(Frame::Done(empty)).unwrap();
+    let Frame::Done(sent) = decode.next().await else {
+        panic!("Done comes at once")
+    };
+    let none: [&[u8]; 0] = [];
+    assert_eq!(sent.checksum, crate::transfer_checksum(&empty, none));
 }

@@ -178,6 +178,13 @@ impl Engine {
                         request.peer,
                         self.pool.layout(),
                         self.config.faults.reshapes_transfers(),
+                        // Fault plans that reshape transfers keep the checksum here, so
+                        // their planted corruption is hashed as the uncorrupted page.
+                        !self.config.faults.reshapes_transfers()
+                            && request
+                                .peer
+                                .and_then(|peer| self.links.get(&peer))
+                                .is_some_and(|link| link.one_sided),
                     ),
                 },
                 Plan::Decode { transfer } => {

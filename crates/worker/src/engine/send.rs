@@ -5,7 +5,9 @@
 //! A page is final once the chunk that wrote its last slot has run: prefill never writes a
 //! position twice. So each step sends the pages it completed, hashed in index order on the
 //! way ([`TransferHasher`]), and only the last chunk's pages and `Done` wait for the end of
-//! the prompt. Decode's guards do not change: pages land only through its live reservation,
+//! the prompt. To a one-sided peer the engine hashes nothing: the link's writer hashes each
+//! page as it copies it and fills in `Done`'s checksum (`transfer::one_sided`), so the pages
+//! decode holds go to the writer too, to be hashed there. Decode's guards do not change: pages land only through its live reservation,
 //! and it seals only when `Done`'s counts match the router's and the checksum matches its own
 //! pages (I4).
 
@@ -22,6 +24,11 @@ pub(super) struct Stream {
     /// `Done` as it will be sent, but its checksum.
     done: TransferDone,
     hasher: TransferHasher,
+    /// Pages lent to the link so far (each sent, or hashed if decode holds it).
+    pages_done: usize,
+    /// The peer is one-sided: its writer hashes each page as it copies it and computes
+    /// `Done`'s checksum, so pages decode holds are handed to it too, to be hashed unwritten.
+    writer_hashes: bool,
     /// Leading pages decode holds from its own cache: hashed, never sent.
     decode_holds: usize,
     /// Fault builds whose plan reshapes transfers keep the frames until `Done` and shape the
@@ -40,6 +47,7 @@ impl Stream {
         peer: Option<LinkId>,
         layout: &kv::KvLayout,
         hold_frames: bool,
+        writer_hashes: bool,
     ) -> Option<Box<Stream>> {
         let Plan::Prefill {
             transfer,
@@ -63,6 +71,8 @@ impl Stream {
         Some(Box::new(Stream {
             peer: peer?,
             hasher: TransferHasher::new(&done),
+            pages_done: 0,
+            writer_hashes,
             done,
             decode_holds: decode_holds_pages as usize,
             held: hold_frames.then(Vec::new),
@@ -89,7 +99,7 @@ impl Engine {
             return;
         };
         let complete = (*done / self.pool.layout().page_size_tokens).min(table.pages().len());
-        let from = stream.hasher.pages() as usize;
+        let from = stream.pages_done;
         if complete <= from {
             return;
         }
@@ -144,7 +154,7 @@ impl Engine {
             let last = views[0].page_mut(page_count - 1);
             blank_unwritten_slots(bytemuck::cast_slice_mut(last), &layout, token_count);
         }
-        let from = stream.hasher.pages() as usize;
+        let from = stream.pages_done;
         table.freeze(page_count);
         let lent = self
             .pool
@@ -152,11 +162,11 @@ impl Engine {
             .expect("a request's own pages lend");
         let mut frames = page_frames(stream, from, lent);
         let mut done = stream.done;
-        if !cfg!(feature = "unguarded-checksum") {
+        if !cfg!(feature = "unguarded-checksum") && !stream.writer_hashes {
             done.checksum = stream.hasher.finish();
         }
         frames.push(Frame::Done(done));
-        self.pages_not_sent += stream.decode_holds.min(stream.hasher.pages() as usize) as u64;
+        self.pages_not_sent += stream.decode_holds.min(stream.pages_done) as u64;
         let peer = stream.peer;
         self.emit(key, frames, true);
         let Some(Phase::Admitted { table, stage }) =
@@ -196,9 +206,11 @@ impl Engine {
             return;
         };
         let page_bytes = self.pool.layout().page_bytes() as u64;
+        // Pages decode holds go to a one-sided writer only to be hashed: not sent.
+        let holds = stream.decode_holds;
         let pages = frames
             .iter()
-            .filter(|frame| matches!(frame, Frame::Page { .. }))
+            .filter(|frame| matches!(frame, Frame::Page { index, .. } if *index as usize >= holds))
             .count() as u64;
         self.pages_sent += pages;
         let Some(peer) = self.links.get(&stream.peer) else {
@@ -294,8 +306,11 @@ pub(super) fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, toke
 fn page_frames(stream: &mut Stream, from: usize, lent: Vec<LentPage>) -> Vec<Frame> {
     let mut frames = Vec::new();
     for (index, page) in (from..).zip(lent) {
-        stream.hasher.page(page.bytes());
-        if index >= stream.decode_holds {
+        stream.pages_done = index + 1;
+        if !stream.writer_hashes {
+            stream.hasher.page(page.bytes());
+        }
+        if index >= stream.decode_holds || stream.writer_hashes {
             frames.push(Frame::Page {
                 transfer: stream.done.transfer,
                 request: stream.done.request,
