@@ -216,29 +216,23 @@ impl RemotePages {
         if page >= self.page_count || bytes.len() != self.page_bytes {
             return None;
         }
-        // SAFETY: as in `write`: the page lies inside the sealed mapping, apart from `bytes`;
-        // `copy` writes within it (this function's contract).
+        // SAFETY: `page < page_count` and the mapping is `page_count * page_bytes` long and
+        // sealed against shrinking, so the page lies inside it and cannot fault; `bytes` is a
+        // live slice of our own memory, which the mapping never overlaps (it is a fresh mapping
+        // of the peer's memfd); `copy` writes within the page (this function's contract).
         let destination = unsafe { self.memory.as_ptr().as_ptr().add(page * self.page_bytes) };
         Some(copy(bytes, destination))
     }
 
-    /// Copies `bytes` into page `page`. False (and nothing written) for a page past the
-    /// pool or bytes of another length than a page.
+    /// Copies `bytes` into page `page` ([`copy_streaming`]). False (and nothing written) for a
+    /// page past the pool or bytes of another length than a page.
     pub fn write(&self, page: usize, bytes: &[u8]) -> bool {
-        if page >= self.page_count || bytes.len() != self.page_bytes {
-            return false;
-        }
-        // SAFETY: `page < page_count` and the mapping is `page_count * page_bytes` long and
-        // sealed against shrinking, so the destination range lies inside it and cannot fault;
-        // `bytes` is a live slice of our own memory, which the mapping never overlaps (it is
-        // a fresh mapping of the peer's memfd). The peer process may read the page meanwhile
-        // only by breaking the protocol (module docs); a raw copy creates no Rust reference
-        // to the destination.
-        unsafe {
-            let destination = self.memory.as_ptr().as_ptr().add(page * self.page_bytes);
-            copy_streaming(bytes, destination);
-        }
-        true
+        // SAFETY: `write_with` hands `copy_streaming` a whole page of the mapping, apart from
+        // `bytes`, and it writes exactly `bytes.len()` bytes there. The peer process may read
+        // the page meanwhile only by breaking the protocol (module docs); a raw copy creates no
+        // Rust reference to the destination.
+        let written = unsafe { self.write_with(page, bytes, |from, to| copy_streaming(from, to)) };
+        written.is_some()
     }
 }
 
