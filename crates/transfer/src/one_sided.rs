@@ -10,7 +10,10 @@
 //!   prefill side until then.
 //! - A page write is *posted*: it runs on the link's copy thread, behind the writes posted
 //!   before it, while the link goes on (`copier`; non-temporal stores, since decode's cores
-//!   read the page, not prefill's). A control frame that ends a transfer's writes (`Done`,
+//!   read the page, not prefill's). The writer never waits for a copy to post the next, so
+//!   the copy thread always has the transfer's next page; a write of a transfer decode has
+//!   stopped, or prefill has aborted, that has not started when the stop comes is skipped
+//!   (it still counts as a write the closing frame waits for). A control frame that ends a transfer's writes (`Done`,
 //!   `TransferAbort`, `WriteAbortAck`) leaves only once every posted write of that transfer has
 //!   completed (`Done` follows the bytes it vouches for); other transfers on the link go on
 //!   meanwhile.
@@ -26,8 +29,9 @@
 //!   transfer's frames on their way to the writer keep the engine's checksum instead
 //!   ([`WriterFaults::engine_checksums`]), so that what they plant stays a corruption.
 //! - Decode, dropping a reservation prefill may still write into, quarantines its pages and
-//!   sends `WriteAbort`; prefill stops posting that transfer's pages and answers
-//!   `WriteAbortAck` once its posted writes have completed. Only then are the pages reused.
+//!   sends `WriteAbort`; prefill stops posting that transfer's pages, its queued writes skip
+//!   their copies, and it answers `WriteAbortAck` once every posted write has completed or
+//!   been skipped. Only then are the pages reused.
 //! - If the link is lost, decode raises the link's [`WriteFence`] and waits until no write of
 //!   that link is in progress (or the prefill process is gone) before it frees anything.
 //!
@@ -44,6 +48,7 @@ use kv::{RequestId, TenantId};
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncWriteExt, Interest, WriteHalf};
@@ -133,9 +138,6 @@ pub struct WriterFaults {
     pub engine_checksums: bool,
 }
 
-/// Posted writes in flight per transfer before the writer waits for its oldest.
-const POSTED_MAX: usize = 8;
-
 /// Runs a prefill worker's link to a decode worker whose pool it mapped: `Page` frames sent
 /// on it are written one-sidedly into the granted pool pages; every other frame goes over
 /// `stream`. Same channels as [`crate::transport::spawn_link`].
@@ -207,6 +209,9 @@ pub fn spawn_one_sided_link(
     }
 }
 
+/// Control frames the writer sends in one write at most (a `Written` frame is 21 bytes).
+const READY_BATCH_MAX: usize = 64;
+
 /// What the link's reader tells its writer.
 enum News {
     Granted {
@@ -245,6 +250,9 @@ enum Outgoing {
         /// Each page's hash, by transfer index, taken as it was copied (or, for a page decode
         /// holds, read): what `Done`'s checksum is computed from.
         hashes: PageHashes,
+        /// Set when the transfer is stopped, refused or aborted: its writes still queued on
+        /// the copy thread skip their copies.
+        stopped: Arc<AtomicBool>,
     },
     /// Refused or stopped: pages are dropped, control frames still go.
     Closed,
@@ -276,7 +284,7 @@ impl Writer {
             let step = tokio::select! {
                 biased;
                 Some(news) = news.recv() => self.news(news).await,
-                Some(frame) = ready.recv() => write_frame(&mut self.socket, &frame).await,
+                Some(frame) = ready.recv() => self.write_ready(frame, &mut ready).await,
                 frame = frames.recv() => match frame {
                     Some(frame) => self.frame(frame).await,
                     None => break,
@@ -298,6 +306,24 @@ impl Writer {
             }
         }
         let _ = self.socket.shutdown().await;
+    }
+
+    /// Writes `first` and the control frames already queued behind it in one write: at a
+    /// page's copy a time, each `Written` its own write would cost a system call here and a
+    /// wake-up at decode per page.
+    async fn write_ready(
+        &mut self,
+        first: Frame,
+        ready: &mut mpsc::UnboundedReceiver<Frame>,
+    ) -> io::Result<()> {
+        let mut batch = first.encode_prefixed();
+        for _ in 1..READY_BATCH_MAX {
+            match ready.try_recv() {
+                Ok(frame) => batch.extend_from_slice(&frame.encode_prefixed()),
+                Err(_) => break,
+            }
+        }
+        self.socket.write_all(&batch).await
     }
 
     async fn news(&mut self, news: News) -> io::Result<()> {
@@ -327,6 +353,7 @@ impl Writer {
                     report_twice: self.faults.reported_twice.map(|n| n + 1)
                         == Some(self.transfers_seen),
                     hashes: PageHashes::default(),
+                    stopped: Arc::default(),
                 };
                 let Some(Outgoing::Asked { waiting, .. }) =
                     self.transfers.insert(transfer, granted)
@@ -344,6 +371,9 @@ impl Writer {
                     return Ok(());
                 };
                 let previous = std::mem::replace(outgoing, Outgoing::Closed);
+                if let Outgoing::Granted { stopped, .. } = &previous {
+                    stopped.store(true, Ordering::Release);
+                }
                 if let Outgoing::Asked { waiting, .. } = previous {
                     // The pages are dropped (their leases go back); control frames still go.
                     for frame in waiting {
@@ -407,14 +437,19 @@ impl Writer {
                     delay,
                     report_twice,
                     hashes,
+                    stopped,
                 }) => {
                     let slot = index.checked_sub(*first_index).map(|slot| slot as usize);
                     let page = slot.and_then(|slot| pool_pages.get(slot)).copied();
                     let (delay, reports) = (*delay, 1 + usize::from(*report_twice));
-                    let hashes = hashes.clone();
+                    let (hashes, stopped) = (hashes.clone(), stopped.clone());
                     if slot.is_none() && (request, tenant) == (*granted_request, *granted_tenant) {
                         // A page decode holds: hashed for `Done`, not written.
-                        let write = move || hashes.put(index, crate::page_hash(&bytes));
+                        let write = move || {
+                            if !stopped.load(Ordering::Acquire) {
+                                hashes.put(index, crate::page_hash(&bytes));
+                            }
+                        };
                         let pending = self.copier.post(write);
                         self.posted.entry(transfer).or_default().push_back(pending);
                         return Ok(());
@@ -433,8 +468,16 @@ impl Writer {
                                 return Ok(());
                             }
                             let report = first.then_some((index, reports));
-                            self.post(transfer, report, page as usize, bytes, delay, hashes)
-                                .await
+                            let write = PageWrite {
+                                page: page as usize,
+                                bytes,
+                                report,
+                                delay,
+                                hashes,
+                                stopped,
+                            };
+                            self.post(transfer, write);
+                            Ok(())
                         }
                         _ => {
                             tracing::warn!(
@@ -474,7 +517,15 @@ impl Writer {
             return Ok(());
         }
         let hashes = match self.transfers.remove(&transfer) {
-            Some(Outgoing::Granted { hashes, .. }) => Some(hashes),
+            Some(Outgoing::Granted {
+                hashes, stopped, ..
+            }) => {
+                if matches!(frame, Frame::TransferAbort { .. }) {
+                    // Prefill gave up on it: what has not been copied yet need not be.
+                    stopped.store(true, Ordering::Release);
+                }
+                Some(hashes)
+            }
             // No page of it came: a transfer of no pages (a one-token prompt) still needs its
             // checksum, over none.
             None => Some(PageHashes::default()),
@@ -520,64 +571,71 @@ impl Writer {
         Ok(())
     }
 
-    /// Posts the write of `bytes` into pool page `page`; once it has landed, `Written` tells
-    /// decode it was the transfer's page `report.0` (`report.1` times: once but under fault
-    /// injection; the mutant's second write reports nothing).
-    async fn post(
-        &mut self,
-        transfer: TransferId,
-        report: Option<(u32, usize)>,
-        page: usize,
-        bytes: PageBytes,
-        delay: Option<Duration>,
-        hashes: PageHashes,
-    ) -> io::Result<()> {
+    /// Posts `write` behind the link's earlier copies. A delayed write (fault injection)
+    /// waits on a thread of its own, not in front of every later copy of the link.
+    fn post(&mut self, transfer: TransferId, write: PageWrite) {
         let posted = self.posted.entry(transfer).or_default();
-        while posted.len() >= POSTED_MAX {
-            if let Some(oldest) = posted.pop_front() {
-                oldest.finished().await?;
+        let delayed = write.delay.is_some();
+        let (pool, ready) = (self.pool.clone(), self.ready.clone());
+        let write = move || write.run(&pool, &ready, transfer);
+        posted.push_back(match delayed {
+            false => self.copier.post(write),
+            true => Pending::Task(tokio::task::spawn_blocking(write)),
+        });
+    }
+}
+
+/// One posted write: `bytes` into pool page `page`. Once it has landed, `Written` tells
+/// decode it was the transfer's page `report.0` (`report.1` times: once but under fault
+/// injection; the mutant's second write reports nothing).
+struct PageWrite {
+    page: usize,
+    bytes: PageBytes,
+    report: Option<(u32, usize)>,
+    /// Fault injection: the write waits this long first.
+    delay: Option<Duration>,
+    hashes: PageHashes,
+    stopped: Arc<AtomicBool>,
+}
+
+impl PageWrite {
+    fn run(self, pool: &SharedPool, ready: &mpsc::UnboundedSender<Frame>, transfer: TransferId) {
+        match self.delay {
+            // A delayed write is the one the fault plan lands late, stopped or not.
+            Some(delay) => std::thread::sleep(delay),
+            // Stopped before it began: nothing is copied, nothing reported.
+            None if self.stopped.load(Ordering::Acquire) => return,
+            None => {}
+        }
+        // Fenced (the link is gone and decode may reuse the page): nothing is written.
+        let mut written = false;
+        if let Some(_writing) = pool.fence.begin_write() {
+            // SAFETY: `xxh3_64_long_copy` writes exactly `bytes.len()` bytes at the pointer,
+            // which `write_with` checked is a whole page of the mapping.
+            let hash = unsafe {
+                pool.pages.write_with(self.page, &self.bytes, |from, to| {
+                    kernels::xxh3_64_long_copy(from, to, &crate::checksum::PAGE_SECRET)
+                })
+            };
+            if let (Some(hash), Some((index, _))) = (hash, self.report) {
+                self.hashes.put(index, hash);
+            }
+            written = hash.is_some();
+            if !written {
+                tracing::warn!(
+                    page = self.page,
+                    "a grant named a page outside the pool; dropped"
+                );
             }
         }
-        let pool = self.pool.clone();
-        let ready = self.ready.clone();
-        let write = move || {
-            if let Some(delay) = delay {
-                std::thread::sleep(delay);
+        drop(self.bytes); // the source page goes back to prefill's pool after the copy
+        if let Some((index, times)) = self.report.filter(|_| written) {
+            // Queued before this write counts as finished, so before the transfer's `Done`,
+            // which waits for it.
+            for _ in 0..times {
+                let _ = ready.send(Frame::Written { transfer, index });
             }
-            // Fenced (the link is gone and decode may reuse the page): nothing is written.
-            let mut written = false;
-            if let Some(_writing) = pool.fence.begin_write() {
-                // SAFETY: `xxh3_64_long_copy` writes exactly `bytes.len()` bytes at the
-                // pointer, which `write_with` checked is a whole page of the mapping.
-                let hash = unsafe {
-                    pool.pages.write_with(page, &bytes, |from, to| {
-                        kernels::xxh3_64_long_copy(from, to, &crate::checksum::PAGE_SECRET)
-                    })
-                };
-                if let (Some(hash), Some((index, _))) = (hash, report) {
-                    hashes.put(index, hash);
-                }
-                written = hash.is_some();
-                if !written {
-                    tracing::warn!(page, "a grant named a page outside the pool; dropped");
-                }
-            }
-            drop(bytes); // the source page goes back to prefill's pool after the copy
-            if let Some((index, times)) = report.filter(|_| written) {
-                // Queued before this write counts as finished, so before the transfer's
-                // `Done`, which waits for it.
-                for _ in 0..times {
-                    let _ = ready.send(Frame::Written { transfer, index });
-                }
-            }
-        };
-        // A delayed write (fault injection) waits on a thread of its own, not in front of
-        // every later copy of the link.
-        posted.push_back(match delay {
-            None => self.copier.post(write),
-            Some(_) => Pending::Task(tokio::task::spawn_blocking(write)),
-        });
-        Ok(())
+        }
     }
 }
 

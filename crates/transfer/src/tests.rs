@@ -848,6 +848,33 @@ impl crate::transport::PageSink for RecordingSink {
     }
 }
 
+/// A pool with a reservation of `tokens` for request 7 of tenant 3, receiving, and a sink
+/// holding the leases of its first `lent` pages.
+fn receiving(
+    layout: kv::KvLayout,
+    tokens: usize,
+    lent: usize,
+) -> (kv::PagePool, kv::PageTable, std::sync::Arc<RecordingSink>) {
+    let mut pool = kv::PagePool::new(kv::PoolConfig {
+        layout,
+        size: kv::PoolSize::Tokens(tokens),
+        scrub_on_free: false,
+    })
+    .unwrap();
+    let owner = kv::Owner {
+        tenant: TenantId(3),
+        request: RequestId(7),
+    };
+    let table = pool.allocate(owner, tokens).unwrap();
+    pool.set_state(&table, kv::PageState::Receiving).unwrap();
+    let sink = std::sync::Arc::new(RecordingSink::default());
+    let leases = pool.lend_for_receive(&table, 0..lent).unwrap();
+    for (index, lease) in leases.into_iter().enumerate() {
+        sink.leases.lock().unwrap().insert(index as u32, lease);
+    }
+    (pool, table, sink)
+}
+
 #[tokio::test]
 async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses() {
     let layout = kv::KvLayout {
@@ -857,28 +884,8 @@ async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses()
         page_size_tokens: 4,
     };
     let page_bytes = layout.page_bytes();
-    let mut pool = kv::PagePool::new(kv::PoolConfig {
-        layout,
-        size: kv::PoolSize::Tokens(12),
-        scrub_on_free: false,
-    })
-    .unwrap();
-    let owner = kv::Owner {
-        tenant: TenantId(3),
-        request: RequestId(7),
-    };
-    let table = pool.allocate(owner, 12).unwrap();
-    pool.set_state(&table, kv::PageState::Receiving).unwrap();
-    let sink = std::sync::Arc::new(RecordingSink::default());
     // Pages 0 and 1 are offered; page 2 is not (as a page decode holds, or a dropped one).
-    for (index, lease) in pool
-        .lend_for_receive(&table, 0..2)
-        .unwrap()
-        .into_iter()
-        .enumerate()
-    {
-        sink.leases.lock().unwrap().insert(index as u32, lease);
-    }
+    let (mut pool, table, sink) = receiving(layout, 12, 2);
     let (ours, theirs) = tokio::io::duplex(1 << 16);
     let sender = spawn_link(Box::new(ours), "prefill".into());
     let sink_handle: std::sync::Arc<dyn crate::transport::PageSink> = sink.clone();
@@ -1134,4 +1141,67 @@ fn a_text_frame_over_the_top_logprobs_cap_is_refused() {
             ..
         })
     ));
+}
+
+/// The link's reader reads through a small buffer: frames that arrive together in one write,
+/// with pages several times the buffer's size among them, still come out one by one, in
+/// order, and each page's bytes land whole and in place.
+#[tokio::test]
+async fn frames_arriving_together_are_read_apart_and_pages_land_whole() {
+    let layout = kv::KvLayout {
+        layer_count: 8,
+        kv_head_count: 2,
+        head_dim: 64,
+        page_size_tokens: 4,
+    };
+    let page_bytes = layout.page_bytes();
+    assert!(
+        page_bytes > 3 * 4096,
+        "a page several times the reader's buffer"
+    );
+    let (mut pool, table, sink) = receiving(layout, 8, 2);
+    let (mut ours, theirs) = tokio::io::duplex(1 << 20);
+    let sink_handle: std::sync::Arc<dyn crate::transport::PageSink> = sink.clone();
+    let mut receiver = crate::transport::spawn_link_with_sink(
+        Box::new(theirs),
+        "decode".into(),
+        Some(sink_handle),
+    );
+    let pattern = |index: usize| -> Vec<u8> {
+        (0..page_bytes)
+            .map(|at| (at * 7 + index * 13 + at / 251) as u8)
+            .collect()
+    };
+    let page = |index: u32| Frame::Page {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        index,
+        bytes: pattern(index as usize).into(),
+    };
+    let ack = |transfer: u64| Frame::WriteAbortAck {
+        transfer: TransferId(transfer),
+    };
+    let frames = [ack(1), ack(2), page(0), ack(3), page(1), ack(4), ack(5)];
+    let mut wire = Vec::new();
+    for frame in &frames {
+        wire.extend_from_slice(&frame.encode_prefixed());
+    }
+    tokio::io::AsyncWriteExt::write_all(&mut ours, &wire)
+        .await
+        .unwrap();
+    for transfer in 1..=5 {
+        assert_eq!(receiver.rx.recv().await, Some(ack(transfer)));
+    }
+    assert_eq!(*sink.landed.lock().unwrap(), [0, 1]);
+    let view = pool
+        .verify_receiving(&table)
+        .expect("every lease came back");
+    for index in 0..2 {
+        let bytes: &[u8] = bytemuck::cast_slice(view.page(index));
+        assert!(
+            bytes == pattern(index).as_slice(),
+            "page {index} whole, in place"
+        );
+    }
 }

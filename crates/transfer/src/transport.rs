@@ -273,6 +273,10 @@ impl Drop for LinkTasks {
 /// Inbound frames buffered per link before the reader stops reading (TCP backpressure).
 const INBOUND_FRAMES_MAX: usize = 256;
 
+/// The link reader's buffer: a few dozen control frames, or a page frame's header and the
+/// first bytes of its page.
+const READ_BUFFER_BYTES: usize = 4 << 10;
+
 /// Runs a link over `stream`. `name` labels log lines.
 pub fn spawn_link(stream: BoxStream, name: String) -> Link {
     spawn_link_with_sink(stream, name, None)
@@ -298,7 +302,11 @@ pub fn spawn_link_announced(
     sink: Option<Arc<dyn PageSink>>,
     announce: impl FnOnce(&mpsc::UnboundedSender<Frame>),
 ) -> Link {
-    let (mut read_half, mut write_half) = tokio::io::split(stream);
+    let (read_half, mut write_half) = tokio::io::split(stream);
+    // Small frames (a one-sided link's `Written`, one per page) come several to a read; a
+    // page's bytes still go from the socket straight into the page, past the buffer, once
+    // what the buffer holds of them is copied out.
+    let mut read_half = tokio::io::BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
     let (in_tx, in_rx) = mpsc::channel(INBOUND_FRAMES_MAX);
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Frame>();
     announce(&out_tx);

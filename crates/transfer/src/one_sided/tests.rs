@@ -401,3 +401,51 @@ async fn a_transfer_of_no_pages_gets_its_checksum_over_none() {
     let none: [&[u8]; 0] = [];
     assert_eq!(sent.checksum, crate::transfer_checksum(&empty, none));
 }
+
+/// What lets a stop take effect at once with a whole transfer queued on the copy thread: a
+/// write that has not begun when its transfer is stopped copies, hashes and reports nothing,
+/// while one whose transfer goes on does all three. A delayed write (fault injection) is the
+/// late write its fault plans, stopped or not.
+#[tokio::test]
+async fn a_write_of_a_stopped_transfer_is_skipped_unless_it_has_begun() {
+    let (_prefill_end, accepted, decode) = offer(PAGE_BYTES).await;
+    let pool = accepted.expect("accepted");
+    let (ready, mut reports) = mpsc::unbounded_channel();
+    let cases = [
+        (0, false, None),
+        (1, true, None),
+        (2, true, Some(Duration::from_millis(1))),
+    ];
+    for (page, stopped, delay) in cases {
+        let hashes = PageHashes::default();
+        let bytes = vec![0x40 + page as u8; PAGE_BYTES];
+        let write = PageWrite {
+            page,
+            bytes: PageBytes::Owned(bytes.clone()),
+            report: Some((page as u32, 1)),
+            delay,
+            hashes: hashes.clone(),
+            stopped: Arc::new(AtomicBool::new(stopped)),
+        };
+        write.run(&pool, &ready, T);
+        let lands = !stopped || delay.is_some();
+        let expected = if lands {
+            bytes.clone()
+        } else {
+            vec![0; PAGE_BYTES]
+        };
+        assert_eq!(
+            decode.page(page),
+            expected,
+            "page {page}: written iff {lands}"
+        );
+        let reported = reports.try_recv().ok();
+        let written = Frame::Written {
+            transfer: T,
+            index: page as u32,
+        };
+        assert_eq!(reported, lands.then_some(written), "page {page}: reported");
+        let hashed = hashes.0.lock().unwrap().get(&(page as u32)).copied();
+        assert_eq!(hashed, lands.then(|| crate::page_hash(&bytes)));
+    }
+}
