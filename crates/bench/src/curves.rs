@@ -666,11 +666,11 @@ fn sweep_on(
             // the decode engine's accept, copy and checksum.
             let started = Instant::now();
             sender_pool.set_state(&table, PageState::Sealed)?;
-            // As the engine sends: pages lent from the pool, each hashed in place and then
-            // handed to the link's writer, which sends it while the next is hashed (one-sided,
-            // the writer hashes each page as it copies it and computes `Done`'s checksum).
+            // As the engine sends: pages lent from the pool and handed to the link's writer,
+            // which hashes each page as it writes (or copies) it and computes `Done`'s
+            // checksum.
             let lent = sender_pool.lend(&table, 0..table.pages().len())?;
-            let mut done = TransferDone {
+            let done = TransferDone {
                 transfer,
                 request: owner.request,
                 tenant: owner.tenant,
@@ -678,12 +678,7 @@ fn sweep_on(
                 token_count: count as u32,
                 checksum: 0,
             };
-            let mut hasher = TransferHasher::new(&done);
             for (index, page) in lent.into_iter().enumerate() {
-                // One-sided, the link's writer hashes each page as it copies it.
-                if !one_sided {
-                    hasher.page(page.bytes());
-                }
                 sender_link
                     .tx
                     .send(Frame::Page {
@@ -695,9 +690,6 @@ fn sweep_on(
                     })
                     .ok()
                     .context("the sending link closed")?;
-            }
-            if !one_sided {
-                done.checksum = hasher.finish();
             }
             sender_link
                 .tx
@@ -749,7 +741,11 @@ async fn tcp_links(sink: Arc<BenchSink>) -> Result<Links> {
     let (connected, (accepted, _)) = (connected?, accepted?);
     connected.set_nodelay(true)?;
     accepted.set_nodelay(true)?;
-    let sender = transfer::transport::spawn_link(Box::new(connected), "bench-prefill".into());
+    let sender = transfer::transport::spawn_hashing_link(
+        Box::new(connected),
+        "bench-prefill".into(),
+        transfer::SenderHashes::default(),
+    );
     let page_sink: Arc<dyn PageSink> = sink;
     let receiver = transfer::transport::spawn_link_with_sink(
         Box::new(accepted),

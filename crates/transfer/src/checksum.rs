@@ -10,8 +10,10 @@
 //! one-sided, when the writer reports the page's one write landed (`Frame::Written`); so at
 //! `Done` only the root is left to compute.
 
-use crate::TransferDone;
+use crate::{TransferDone, TransferId};
 use kernels::{xxh3_64_long, XXH3_SECRET_BYTES, XXH3_SHORT_MAX};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use xxhash_rust::xxh3::{xxh3_64_with_secret, Xxh3};
 
 /// Checksum of a transfer whose header is `done` (its `checksum` field is not hashed) and
@@ -100,4 +102,53 @@ impl TransferHasher {
     pub fn finish(&self) -> u64 {
         self.root.digest()
     }
+}
+
+/// The page hashes a link's writer takes as it sends or copies each page, by transfer and page
+/// index, from which it computes the transfer's `Done` checksum (a writer that hashes each
+/// page just before its copy reads it from memory once, where the engine's hash, taken when
+/// the page was lent, was a second read). The engine adds the hashes of pages decode holds,
+/// which go nowhere. Shared by the engine and the link.
+///
+/// A transfer that ends without `Done` or `TransferAbort` (a request cancelled while its
+/// prompt streams) leaves its hashes behind, so at most [`SENDER_HASHES_TRANSFERS_MAX`]
+/// transfers are kept, the oldest dropped first: a live transfer whose hashes were dropped
+/// gets a checksum that fails, never a wrong page accepted.
+#[derive(Clone, Default)]
+pub struct SenderHashes(Arc<Mutex<BTreeMap<TransferId, BTreeMap<u32, u64>>>>);
+
+/// Transfers a link's [`SenderHashes`] keeps hashes for, far above the transfers one link can
+/// have streaming at once (a pool's pages).
+pub const SENDER_HASHES_TRANSFERS_MAX: usize = 4096;
+
+impl SenderHashes {
+    pub fn put(&self, transfer: TransferId, index: u32, hash: u64) {
+        let mut hashes = self.0.lock().expect("sender hashes lock");
+        hashes.entry(transfer).or_default().insert(index, hash);
+        while hashes.len() > SENDER_HASHES_TRANSFERS_MAX {
+            hashes.pop_first();
+        }
+    }
+
+    /// The checksum over `done.page_count` pages from the hashes put for its transfer, which
+    /// are dropped: a page never hashed counts as 0, so the receiver's checksum cannot match.
+    pub fn take_checksum(&self, done: &TransferDone) -> u64 {
+        checksum_over(done, &self.forget(done.transfer))
+    }
+
+    /// Drops what was put for `transfer` (it ended without a `Done`), returning it.
+    pub fn forget(&self, transfer: TransferId) -> BTreeMap<u32, u64> {
+        let mut hashes = self.0.lock().expect("sender hashes lock");
+        hashes.remove(&transfer).unwrap_or_default()
+    }
+}
+
+/// The checksum over `done.page_count` pages from their hashes by index; a page missing from
+/// `hashes` counts as 0, so the receiver's checksum cannot match.
+pub(crate) fn checksum_over(done: &TransferDone, hashes: &BTreeMap<u32, u64>) -> u64 {
+    let mut root = TransferHasher::new(done);
+    for index in 0..done.page_count {
+        root.page_hash(hashes.get(&index).copied().unwrap_or(0));
+    }
+    root.finish()
 }

@@ -20,7 +20,7 @@ mod page_bytes;
 pub mod transport;
 
 pub use auth::ClusterSecret;
-pub use checksum::{page_hash, transfer_checksum, TransferHasher};
+pub use checksum::{page_hash, transfer_checksum, SenderHashes, TransferHasher};
 pub use frame::{
     page_fits_frame, DecodeError, Failure, Finish, Frame, FrameKind, PeerRole, PerTransport, Plan,
     PrefixCounters, Reject, Role, Sampling, Submit, TokenLogprob, TransferCounters, TransferDone,

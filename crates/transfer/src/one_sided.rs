@@ -673,11 +673,6 @@ impl PageHashes {
     /// The transfer checksum over the `done.page_count` pages; a page never hashed (not sent,
     /// or not written) counts as hash 0, so decode's own checksum cannot match.
     fn checksum(&self, done: &crate::TransferDone) -> u64 {
-        let hashes = self.0.lock().expect("page hashes lock");
-        let mut root = crate::TransferHasher::new(done);
-        for index in 0..done.page_count {
-            root.page_hash(hashes.get(&index).copied().unwrap_or(0));
-        }
-        root.finish()
+        crate::checksum::checksum_over(done, &self.0.lock().expect("page hashes lock"))
     }
 }

@@ -848,6 +848,18 @@ impl crate::transport::PageSink for RecordingSink {
     }
 }
 
+/// `Done` of transfer 9 (request 7, tenant 3): three pages, 12 tokens.
+fn done_of_three_pages(checksum: u64) -> TransferDone {
+    TransferDone {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        page_count: 3,
+        token_count: 12,
+        checksum,
+    }
+}
+
 /// A pool with a reservation of `tokens` for request 7 of tenant 3, receiving, and a sink
 /// holding the leases of its first `lent` pages.
 fn receiving(
@@ -901,14 +913,7 @@ async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses()
         index,
         bytes: vec![index as u8 + 1; page_bytes].into(),
     };
-    let done = TransferDone {
-        transfer: TransferId(9),
-        request: RequestId(7),
-        tenant: TenantId(3),
-        page_count: 3,
-        token_count: 12,
-        checksum: 5,
-    };
+    let done = done_of_three_pages(5);
     for frame in [page(0), page(2), page(1), Frame::Done(done)] {
         sender.tx.send(frame).unwrap();
     }
@@ -1204,4 +1209,73 @@ async fn frames_arriving_together_are_read_apart_and_pages_land_whole() {
             "page {index} whole, in place"
         );
     }
+}
+
+/// A hashing link's writer (`spawn_hashing_link`) hashes each page frame as it writes it and
+/// sends `Done` with the root over those hashes and the ones the engine put for pages decode
+/// holds; a page hashed by neither counts as 0, and a `TransferAbort` drops what was put.
+#[tokio::test]
+async fn a_hashing_links_done_carries_the_checksum_over_its_pages_and_the_held_ones() {
+    let page_bytes = 1024;
+    let pages: Vec<Vec<u8>> = (0..3u8).map(|p| vec![p + 0x31; page_bytes]).collect();
+    let done = done_of_three_pages(0xDEAD);
+    let page = |index: usize| Frame::Page {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        index: index as u32,
+        bytes: pages[index].clone().into(),
+    };
+    let abort = Frame::TransferAbort {
+        transfer: TransferId(9),
+        request: RequestId(7),
+    };
+    let held = crate::page_hash(&pages[0]);
+    let whole = transfer_checksum(&done, pages.iter().map(Vec::as_slice));
+    // Page 0 held by decode (its hash put by the engine), or hashed by no one; an abort in
+    // between drops the held hash, so the next `Done` finds none.
+    let cases = [
+        (vec![page(1), page(2), Frame::Done(done)], true),
+        (vec![page(1), page(2), Frame::Done(done)], false),
+        (
+            vec![page(1), abort.clone(), page(2), Frame::Done(done)],
+            true,
+        ),
+    ];
+    for (case, (frames, engine_puts_held)) in cases.into_iter().enumerate() {
+        let (ours, mut theirs) = tokio::io::duplex(1 << 16);
+        let hashes = crate::SenderHashes::default();
+        if engine_puts_held {
+            hashes.put(TransferId(9), 0, held);
+        }
+        let link = crate::transport::spawn_hashing_link(Box::new(ours), "prefill".into(), hashes);
+        for frame in frames {
+            link.tx.send(frame).unwrap();
+        }
+        let received = loop {
+            match read_frame(&mut theirs).await.unwrap().expect("a frame") {
+                Frame::Done(received) => break received,
+                Frame::Page { .. } | Frame::TransferAbort { .. } => {}
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        let expect_whole = case == 0;
+        assert_eq!(received.checksum == whole, expect_whole, "case {case}");
+        assert_ne!(
+            received.checksum, 0xDEAD,
+            "case {case}: the engine's value is replaced"
+        );
+    }
+}
+
+#[test]
+fn sender_hashes_keep_the_latest_transfers_and_drop_the_oldest() {
+    let hashes = crate::SenderHashes::default();
+    let max = crate::checksum::SENDER_HASHES_TRANSFERS_MAX as u64;
+    for transfer in 0..=max {
+        hashes.put(TransferId(transfer), 0, transfer + 1);
+    }
+    assert!(hashes.forget(TransferId(0)).is_empty(), "the oldest went");
+    assert_eq!(hashes.forget(TransferId(1)).get(&0), Some(&2));
+    assert_eq!(hashes.forget(TransferId(max)).get(&0), Some(&(max + 1)));
 }

@@ -5,7 +5,9 @@
 //! that breaks (EOF, I/O error, an undecodable frame) closes its inbound channel, which is how
 //! a worker learns that a peer is gone and that no more bytes can arrive from it.
 
-use crate::{DecodeError, Frame, FrameKind, TransferDone, TransferId, MAX_FRAME_BYTES};
+use crate::{
+    DecodeError, Frame, FrameKind, SenderHashes, TransferDone, TransferId, MAX_FRAME_BYTES,
+};
 use kv::{LentPageMut, RequestId, TenantId};
 use std::collections::HashMap;
 use std::future::Future;
@@ -302,6 +304,25 @@ pub fn spawn_link_announced(
     sink: Option<Arc<dyn PageSink>>,
     announce: impl FnOnce(&mpsc::UnboundedSender<Frame>),
 ) -> Link {
+    spawn_link_full(stream, name, sink, announce, None)
+}
+
+/// A prefill worker's link to a decode worker over a byte stream whose writer computes each
+/// transfer's `Done` checksum: it hashes each page frame just before writing it (the page is
+/// then in cache for the socket's copy) into `hashes`, where the engine puts the hashes of the
+/// pages decode holds, and `Done` leaves with the root over them (a page never hashed counts
+/// as 0). The engine sends `Done` with no checksum of its own on such a link.
+pub fn spawn_hashing_link(stream: BoxStream, name: String, hashes: SenderHashes) -> Link {
+    spawn_link_full(stream, name, None, |_| {}, Some(hashes))
+}
+
+fn spawn_link_full(
+    stream: BoxStream,
+    name: String,
+    sink: Option<Arc<dyn PageSink>>,
+    announce: impl FnOnce(&mpsc::UnboundedSender<Frame>),
+    hashes: Option<SenderHashes>,
+) -> Link {
     let (read_half, mut write_half) = tokio::io::split(stream);
     // Small frames (a one-sided link's `Written`, one per page) come several to a read; a
     // page's bytes still go from the socket straight into the page, past the buffer, once
@@ -350,7 +371,10 @@ pub fn spawn_link_announced(
         }
     });
     let writer = tokio::spawn(async move {
-        while let Some(frame) = out_rx.recv().await {
+        while let Some(mut frame) = out_rx.recv().await {
+            if let Some(hashes) = &hashes {
+                take_hashes(hashes, &mut frame);
+            }
             if let Err(error) = write_frame(&mut write_half, &frame).await {
                 tracing::warn!(link = %name, %error, "link write failed");
                 return;
@@ -362,6 +386,23 @@ pub fn spawn_link_announced(
         tx: out_tx,
         rx: in_rx,
         tasks: LinkTasks { reader, writer },
+    }
+}
+
+/// What a hashing link's writer does with `frame` before writing it (`spawn_hashing_link`).
+fn take_hashes(hashes: &SenderHashes, frame: &mut Frame) {
+    match frame {
+        Frame::Page {
+            transfer,
+            index,
+            bytes,
+            ..
+        } => hashes.put(*transfer, *index, crate::page_hash(bytes)),
+        Frame::Done(done) => done.checksum = hashes.take_checksum(done),
+        Frame::TransferAbort { transfer, .. } => {
+            hashes.forget(*transfer);
+        }
+        _ => {}
     }
 }
 

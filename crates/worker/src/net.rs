@@ -3,7 +3,8 @@
 //!
 //! Links come over TCP, or over a Unix socket from a process on this host. A prefill that
 //! links to a decode worker over a Unix socket gets decode's pool (a memfd) and writes pages
-//! into it one-sidedly (`transfer::one_sided`); over TCP it sends page frames.
+//! into it one-sidedly (`transfer::one_sided`); over TCP it sends page frames. Either way the
+//! link's writer hashes each page as it goes and computes the transfer's checksum.
 
 use crate::engine::{Engine, Event, LinkId, LinkKind, OneSidedPeer, PageSinks};
 use crate::refusals::{RefusalLog, HANDSHAKES_PENDING_MAX, REFUSAL_LOG_INTERVAL};
@@ -250,7 +251,7 @@ struct Shared {
     /// Decode: the pool prefills on this host may write into.
     shared_pool: Option<SharedPoolOffer>,
     page_bytes: usize,
-    /// Prefill: the faults of its one-sided links' writers (test builds only).
+    /// Prefill: the fault plan, for what its links to decode do (test builds only).
     faults: crate::FaultPlan,
 }
 
@@ -354,6 +355,7 @@ impl Shared {
                 kind,
                 tx: tx.clone(),
                 one_sided: is_one_sided,
+                sender_hashes: None,
             };
             engine_gone = self.events.send(up).is_err();
         };
@@ -399,7 +401,7 @@ impl Shared {
         if let Some(&id) = peers.get(addr) {
             return Ok(id);
         }
-        let link = tokio::time::timeout(CONNECT_TIMEOUT, self.connect_peer(addr))
+        let (link, sender_hashes) = tokio::time::timeout(CONNECT_TIMEOUT, self.connect_peer(addr))
             .await
             .map_err(|_| format!("decode worker {addr} did not answer in time"))??;
         let id = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
@@ -408,6 +410,7 @@ impl Shared {
             kind: LinkKind::DecodePeer,
             tx: link.tx.clone(),
             one_sided: unix_path(addr).is_some(),
+            sender_hashes,
         };
         self.events
             .send(up)
@@ -433,10 +436,16 @@ impl Shared {
     }
 
     /// Opens, authenticates and checks a link to a decode worker: same model, weights, KV
-    /// layout and context as this prefill (I8), or no pages go there.
-    async fn connect_peer(&self, addr: &str) -> Result<Link, String> {
+    /// layout and context as this prefill (I8), or no pages go there. Over TCP the link's
+    /// writer computes `Done`'s checksum from the hashes returned beside it, unless the
+    /// fault plan reshapes transfers (then what it plants must stay a corruption of what
+    /// the engine hashed).
+    async fn connect_peer(
+        &self,
+        addr: &str,
+    ) -> Result<(Link, Option<transfer::SenderHashes>), String> {
         if let Some(path) = unix_path(addr) {
-            return self.connect_one_sided_peer(addr, path).await;
+            return Ok((self.connect_one_sided_peer(addr, path).await?, None));
         }
         let mut stream = self
             .transport
@@ -444,7 +453,13 @@ impl Shared {
             .await
             .map_err(|error| format!("cannot reach decode worker {addr}: {error}"))?;
         self.check_decode_peer(&mut stream, addr).await?;
-        Ok(spawn_link(stream, format!("{}-to-{addr}", self.info.name)))
+        let name = format!("{}-to-{addr}", self.info.name);
+        if self.faults.reshapes_transfers() {
+            return Ok((spawn_link(stream, name), None));
+        }
+        let hashes = transfer::SenderHashes::default();
+        let link = transfer::transport::spawn_hashing_link(stream, name, hashes.clone());
+        Ok((link, Some(hashes)))
     }
 
     /// Authenticates the worker at the other end of `stream` and checks that it is a decode

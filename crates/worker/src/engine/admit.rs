@@ -2,7 +2,7 @@
 //! pages in arrival order, starting with the full prompt pages this worker has cached for the
 //! request's tenant and partition (I10), and evicting unreferenced cached pages when short.
 
-use super::send::Stream;
+use super::send::{Checksummer, Stream};
 use super::{failed, Engine, LinkId, Phase, Request, Stage};
 use kv::{CachedPrefix, Owner, PageState, RequestId};
 use std::time::Instant;
@@ -72,6 +72,22 @@ impl Engine {
         );
         self.queue.push_back(key);
         self.admit_queued();
+    }
+
+    /// Who computes the checksum of a transfer to `peer`: its link's writer where it hashes,
+    /// but the engine under fault plans that reshape transfers, so that their planted
+    /// corruption is hashed as the uncorrupted page.
+    fn checksummer(&self, peer: Option<LinkId>) -> Checksummer {
+        let link = peer.and_then(|peer| self.links.get(&peer));
+        match link {
+            _ if self.config.faults.reshapes_transfers() => Checksummer::Engine,
+            Some(link) if link.one_sided => Checksummer::OneSidedWriter,
+            Some(link) => match &link.sender_hashes {
+                Some(hashes) => Checksummer::FramedWriter(hashes.clone()),
+                None => Checksummer::Engine,
+            },
+            None => Checksummer::Engine,
+        }
     }
 
     fn admissible(&self, submit: &Submit) -> Result<(), (Failure, String)> {
@@ -154,6 +170,8 @@ impl Engine {
                 return;
             };
             self.queue.pop_front();
+            let peer = self.requests.get(&key).and_then(|request| request.peer);
+            let checksummer = self.checksummer(peer);
             let request = self
                 .requests
                 .get_mut(&key)
@@ -178,13 +196,7 @@ impl Engine {
                         request.peer,
                         self.pool.layout(),
                         self.config.faults.reshapes_transfers(),
-                        // Fault plans that reshape transfers keep the checksum here, so
-                        // their planted corruption is hashed as the uncorrupted page.
-                        !self.config.faults.reshapes_transfers()
-                            && request
-                                .peer
-                                .and_then(|peer| self.links.get(&peer))
-                                .is_some_and(|link| link.one_sided),
+                        checksummer,
                     ),
                 },
                 Plan::Decode { transfer } => {

@@ -78,6 +78,10 @@ pub enum Event {
         tx: UnboundedSender<Frame>,
         /// A peer link whose pages are written through shared memory (`transfer::one_sided`).
         one_sided: bool,
+        /// A framed peer link whose writer computes `Done`'s checksum
+        /// (`transfer::transport::spawn_hashing_link`): the engine puts the hashes of the
+        /// pages decode holds here and hashes nothing else.
+        sender_hashes: Option<transfer::SenderHashes>,
     },
     LinkDown {
         link: LinkId,
@@ -203,6 +207,7 @@ struct LinkEntry {
     kind: LinkKind,
     tx: UnboundedSender<Frame>,
     one_sided: bool,
+    sender_hashes: Option<transfer::SenderHashes>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Default)]
@@ -397,11 +402,13 @@ impl Engine {
                 kind,
                 tx,
                 one_sided,
+                sender_hashes,
             } => {
                 let entry = LinkEntry {
                     kind,
                     tx,
                     one_sided,
+                    sender_hashes,
                 };
                 self.links.insert(link, entry);
                 self.last_stats = None;

@@ -26,9 +26,8 @@ pub(super) struct Stream {
     hasher: TransferHasher,
     /// Pages lent to the link so far (each sent, or hashed if decode holds it).
     pages_done: usize,
-    /// The peer is one-sided: its writer hashes each page as it copies it and computes
-    /// `Done`'s checksum, so pages decode holds are handed to it too, to be hashed unwritten.
-    writer_hashes: bool,
+    /// Who computes `Done`'s checksum.
+    checksummer: Checksummer,
     /// Leading pages decode holds from its own cache: hashed, never sent.
     decode_holds: usize,
     /// Fault builds whose plan reshapes transfers keep the frames until `Done` and shape the
@@ -47,7 +46,7 @@ impl Stream {
         peer: Option<LinkId>,
         layout: &kv::KvLayout,
         hold_frames: bool,
-        writer_hashes: bool,
+        checksummer: Checksummer,
     ) -> Option<Box<Stream>> {
         let Plan::Prefill {
             transfer,
@@ -72,7 +71,7 @@ impl Stream {
             peer: peer?,
             hasher: TransferHasher::new(&done),
             pages_done: 0,
-            writer_hashes,
+            checksummer,
             done,
             decode_holds: decode_holds_pages as usize,
             held: hold_frames.then(Vec::new),
@@ -162,7 +161,9 @@ impl Engine {
             .expect("a request's own pages lend");
         let mut frames = page_frames(stream, from, lent);
         let mut done = stream.done;
-        if !cfg!(feature = "unguarded-checksum") && !stream.writer_hashes {
+        if !cfg!(feature = "unguarded-checksum")
+            && matches!(stream.checksummer, Checksummer::Engine)
+        {
             done.checksum = stream.hasher.finish();
         }
         frames.push(Frame::Done(done));
@@ -300,17 +301,39 @@ pub(super) fn blank_unwritten_slots(page: &mut [u8], layout: &kv::KvLayout, toke
     }
 }
 
-/// Hashes the transfer's pages from `from` on, in index order (`lent` holds them), and
-/// returns frames for those decode does not hold: each carries its lent page, so the bytes
-/// go from the pool to the socket with no copy.
+/// Who computes a transfer's `Done` checksum.
+pub(super) enum Checksummer {
+    /// The engine, hashing each page in index order as it lends it: links whose writer does
+    /// not hash, and fault plans that reshape transfers (whose planted corruption must stay a
+    /// corruption of what the engine hashed).
+    Engine,
+    /// A one-sided link's writer, hashing each page as it copies it; the pages decode holds
+    /// are handed to it too, to be hashed unwritten.
+    OneSidedWriter,
+    /// A framed link's writer (`transfer::transport::spawn_hashing_link`), hashing each page
+    /// just before it writes it; the engine hashes the pages decode holds into the link's
+    /// hashes, and sends them nowhere.
+    FramedWriter(transfer::SenderHashes),
+}
+
+/// Hashes what the transfer's checksummer leaves to the engine of its pages from `from` on,
+/// in index order (`lent` holds them), and returns frames for those that go to the link:
+/// each carries its lent page, so the bytes go from the pool to the socket (or the copy)
+/// with no copy of their own.
 fn page_frames(stream: &mut Stream, from: usize, lent: Vec<LentPage>) -> Vec<Frame> {
     let mut frames = Vec::new();
     for (index, page) in (from..).zip(lent) {
         stream.pages_done = index + 1;
-        if !stream.writer_hashes {
-            stream.hasher.page(page.bytes());
+        let held = index < stream.decode_holds;
+        match &stream.checksummer {
+            Checksummer::Engine => stream.hasher.page(page.bytes()),
+            Checksummer::FramedWriter(hashes) if held => {
+                let hash = transfer::page_hash(page.bytes());
+                hashes.put(stream.done.transfer, index as u32, hash);
+            }
+            Checksummer::FramedWriter(_) | Checksummer::OneSidedWriter => {}
         }
-        if index >= stream.decode_holds || stream.writer_hashes {
+        if !held || matches!(stream.checksummer, Checksummer::OneSidedWriter) {
             frames.push(Frame::Page {
                 transfer: stream.done.transfer,
                 request: stream.done.request,

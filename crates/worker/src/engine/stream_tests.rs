@@ -227,3 +227,54 @@ fn sent_pages_are_lent_from_the_pool_and_reused_only_once_the_writer_lets_go() {
     prefill.turn();
     prefill.assert_idle();
 }
+
+/// A framed link whose writer hashes (`transfer::transport::spawn_hashing_link`): the engine
+/// hashes only the page decode holds, into the link's hashes, and sends it nowhere, and `Done`
+/// leaves without a checksum. The one the writer then computes, hashing each page frame it
+/// writes, is the engine's own over the same transfer.
+#[test]
+fn a_hashing_links_writer_gets_the_held_pages_hash_and_computes_the_engines_checksum() {
+    let run = |hashes: Option<transfer::SenderHashes>| {
+        let (mut prefill, _router) = Worker::with_step_tokens(Role::Prefill, 32, 4);
+        let mut peer = prefill.link_hashing(PEER, LinkKind::DecodePeer, hashes);
+        let plan = transfer::Plan::Prefill {
+            transfer: TRANSFER,
+            decode_addr: "decode.test:1".into(),
+            decode_holds_pages: 1,
+        };
+        prefill.send(Event::SubmitToPeer {
+            link: ROUTER,
+            submit: submit(1, &PROMPT, MAX_TOKENS, plan),
+            peer: PEER,
+        });
+        let mut sent = Vec::new();
+        while !sent.iter().any(|frame| matches!(frame, Frame::Done(_))) {
+            prefill.turn();
+            sent.extend(peer.frames());
+        }
+        sent
+    };
+    let by_engine = run(None);
+    let hashes = transfer::SenderHashes::default();
+    let for_writer = run(Some(hashes.clone()));
+    assert_eq!(
+        page_indexes(&by_engine),
+        [1, 2],
+        "the held page is not sent"
+    );
+    assert_eq!(page_indexes(&for_writer), [1, 2]);
+    let (_, engine_done) = split_transfer(&by_engine);
+    let (pages, writer_done) = split_transfer(&for_writer);
+    assert_ne!(engine_done.checksum, 0);
+    assert_eq!(writer_done.checksum, 0, "the writer fills it in");
+    // What the writer does: each page frame's hash as it writes it, then the root at `Done`.
+    for (index, bytes) in &pages {
+        hashes.put(TRANSFER, *index, transfer::page_hash(bytes));
+    }
+    assert_eq!(hashes.take_checksum(&writer_done), engine_done.checksum);
+    // Without the held page's hash (an engine that forgot it), the writer's checksum fails.
+    for (index, bytes) in &pages {
+        hashes.put(TRANSFER, *index, transfer::page_hash(bytes));
+    }
+    assert_ne!(hashes.take_checksum(&writer_done), engine_done.checksum);
+}

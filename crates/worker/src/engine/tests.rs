@@ -92,12 +92,24 @@ impl Worker {
 
     /// Opens a link; what the engine sends on it comes out of the returned [`Link`].
     pub(super) fn link(&mut self, link: LinkId, kind: LinkKind) -> Link {
+        self.link_hashing(link, kind, None)
+    }
+
+    /// [`Worker::link`] whose writer computes `Done`'s checksum from `sender_hashes`, as a
+    /// framed link to decode does (`transfer::transport::spawn_hashing_link`).
+    pub(super) fn link_hashing(
+        &mut self,
+        link: LinkId,
+        kind: LinkKind,
+        sender_hashes: Option<transfer::SenderHashes>,
+    ) -> Link {
         let (tx, rx) = unbounded_channel();
         self.send(Event::LinkUp {
             link,
             kind,
             tx,
             one_sided: false,
+            sender_hashes,
         });
         Link { rx }
     }
