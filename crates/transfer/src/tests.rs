@@ -860,6 +860,17 @@ fn done_of_three_pages(checksum: u64) -> TransferDone {
     }
 }
 
+/// Page `index` of the transfer [`done_of_three_pages`] closes, holding `bytes`.
+fn page_of_three(index: u32, bytes: Vec<u8>) -> Frame {
+    Frame::Page {
+        transfer: TransferId(9),
+        request: RequestId(7),
+        tenant: TenantId(3),
+        index,
+        bytes: bytes.into(),
+    }
+}
+
 /// A pool with a reservation of `tokens` for request 7 of tenant 3, receiving, and a sink
 /// holding the leases of its first `lent` pages.
 fn receiving(
@@ -906,13 +917,7 @@ async fn a_readers_sink_lands_page_bytes_in_the_pool_and_drops_what_it_refuses()
         "decode".into(),
         Some(sink_handle),
     );
-    let page = |index: u32| Frame::Page {
-        transfer: TransferId(9),
-        request: RequestId(7),
-        tenant: TenantId(3),
-        index,
-        bytes: vec![index as u8 + 1; page_bytes].into(),
-    };
+    let page = |index: u32| page_of_three(index, vec![index as u8 + 1; page_bytes]);
     let done = done_of_three_pages(5);
     for frame in [page(0), page(2), page(1), Frame::Done(done)] {
         sender.tx.send(frame).unwrap();
@@ -1177,13 +1182,7 @@ async fn frames_arriving_together_are_read_apart_and_pages_land_whole() {
             .map(|at| (at * 7 + index * 13 + at / 251) as u8)
             .collect()
     };
-    let page = |index: u32| Frame::Page {
-        transfer: TransferId(9),
-        request: RequestId(7),
-        tenant: TenantId(3),
-        index,
-        bytes: pattern(index as usize).into(),
-    };
+    let page = |index: u32| page_of_three(index, pattern(index as usize));
     let ack = |transfer: u64| Frame::WriteAbortAck {
         transfer: TransferId(transfer),
     };
@@ -1219,13 +1218,7 @@ async fn a_hashing_links_done_carries_the_checksum_over_its_pages_and_the_held_o
     let page_bytes = 1024;
     let pages: Vec<Vec<u8>> = (0..3u8).map(|p| vec![p + 0x31; page_bytes]).collect();
     let done = done_of_three_pages(0xDEAD);
-    let page = |index: usize| Frame::Page {
-        transfer: TransferId(9),
-        request: RequestId(7),
-        tenant: TenantId(3),
-        index: index as u32,
-        bytes: pages[index].clone().into(),
-    };
+    let page = |index: usize| page_of_three(index as u32, pages[index].clone());
     let abort = Frame::TransferAbort {
         transfer: TransferId(9),
         request: RequestId(7),
