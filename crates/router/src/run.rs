@@ -582,10 +582,12 @@ impl Run {
         }
     }
 
-    /// The request's end, once decode has finished it and every prompt score has come.
+    /// The request's end, once decode has finished it, every prompt score has come and the
+    /// answer held back behind the echo has gone out (decode may finish before prefill's
+    /// scores arrive: its text then waits in `early`).
     fn finish_when_scored(&mut self) -> Option<Step> {
         let (finish, prompt_tokens, completion_tokens) = self.held_finish?;
-        if self.prompt_scored < self.prompt_scores.len() {
+        if self.prompt_scored < self.prompt_scores.len() || !self.early.is_empty() {
             return None;
         }
         self.held_finish = None;

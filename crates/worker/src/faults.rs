@@ -21,6 +21,7 @@
 //! | `delay-done=MS` | prefill send | `Done` is held back MS milliseconds |
 //! | `crash-mid-transfer` | prefill send | the process aborts after sending half the pages |
 //! | `incident` | prefill admit | the 2026 incident: a prompt that does not fit the pool is replaced by a one-token placeholder, and `Done` claims the whole prompt |
+//! | `delay-prompt-scores=MS` | prefill prompt scores | `PromptLogprobs` frames reach the router MS milliseconds late (sent from another thread), so decode's answer comes first |
 //! | `slow-step=MS` | any step | each forward step takes MS milliseconds longer (widens the windows for disconnects and aborts) |
 //! | `stall-ack=MS` | decode answer | `Ack`, `Nack` and `AbortAck` are held back MS milliseconds |
 //! | `recycle-early` | decode seal | a request's pages are freed while it still decodes |
@@ -100,6 +101,10 @@ mod imp_off {
         }
         #[inline(always)]
         pub(crate) fn answer_delay(&mut self) -> Option<Duration> {
+            None
+        }
+        #[inline(always)]
+        pub(crate) fn prompt_scores_delay(&mut self) -> Option<Duration> {
             None
         }
         #[inline(always)]
@@ -188,6 +193,8 @@ mod imp {
         Incident,
         StallAck(Duration),
         SlowStep(Duration),
+        /// Prompt scores reach the router this much later than they were computed.
+        DelayPromptScores(Duration),
         RecycleEarly,
         CrashOnPage,
         NoAdmission,
@@ -401,6 +408,13 @@ mod imp {
             }
         }
 
+        pub(crate) fn prompt_scores_delay(&mut self) -> Option<Duration> {
+            match self.fires(|f| matches!(f, Fault::DelayPromptScores(_))) {
+                Some(Fault::DelayPromptScores(delay)) => Some(delay),
+                _ => None,
+            }
+        }
+
         pub(crate) fn recycle_early(&mut self) -> bool {
             self.fires(|f| f == Fault::RecycleEarly).is_some()
         }
@@ -497,6 +511,7 @@ mod imp {
             "incident" => Fault::Incident,
             "stall-ack" => Fault::StallAck(millis(argument)?),
             "slow-step" => Fault::SlowStep(millis(argument)?),
+            "delay-prompt-scores" => Fault::DelayPromptScores(millis(argument)?),
             "recycle-early" => Fault::RecycleEarly,
             "crash-on-page" => Fault::CrashOnPage,
             "no-admission" => Fault::NoAdmission,

@@ -235,7 +235,13 @@ impl Engine {
                 first: (start + 1 + n * MAX_TEXT_LOGPROBS) as u32,
                 logprobs: part.to_vec(),
             };
-            self.send(key.0, frame);
+            match (
+                self.config.faults.prompt_scores_delay(),
+                self.links.get(&key.0),
+            ) {
+                (Some(delay), Some(entry)) => super::send_later(entry.tx.clone(), frame, delay),
+                _ => self.send(key.0, frame),
+            }
         }
     }
 
