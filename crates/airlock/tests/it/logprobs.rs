@@ -5,7 +5,7 @@
 //! within the fast kernels' own logit tolerance on those; chat and completion shapes,
 //! streamed and not, report the same numbers for the same answer.
 
-use crate::harness::{always, post, post_stream, runtime, start, Mode, Options, MODEL};
+use crate::harness::{always, post, post_stream, runtime, start, wait_idle, Mode, Options, MODEL};
 use serde_json::{json, Value};
 use std::path::Path;
 use std::time::Duration;
@@ -490,5 +490,7 @@ fn an_echoed_answer_waits_for_prompt_scores_that_come_after_it() {
             .map(Vec::len)
             .sum();
         assert_eq!(streamed_scores, tokens + 1, "{chunks:?}");
+        let (idle, page) = wait_idle(url).await;
+        assert!(idle, "every page back after the late scores: {page}");
     });
 }
