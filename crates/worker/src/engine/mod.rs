@@ -484,7 +484,14 @@ impl Engine {
 
     /// Decode's answer to a sender (`Ack`, `Nack`, `AbortAck`): what frees its pages.
     fn answer(&mut self, link: LinkId, frame: Frame) {
-        match (self.config.faults.answer_delay(), self.links.get(&link)) {
+        let delay = self.config.faults.answer_delay();
+        self.send_after(link, frame, delay);
+    }
+
+    /// Sends `frame` on `link`, `delay` later from another thread when there is one (fault
+    /// injection), so the engine goes on meanwhile.
+    fn send_after(&self, link: LinkId, frame: Frame, delay: Option<Duration>) {
+        match (delay, self.links.get(&link)) {
             (Some(delay), Some(entry)) => send_later(entry.tx.clone(), frame, delay),
             _ => self.send(link, frame),
         }

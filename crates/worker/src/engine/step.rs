@@ -235,13 +235,8 @@ impl Engine {
                 first: (start + 1 + n * MAX_TEXT_LOGPROBS) as u32,
                 logprobs: part.to_vec(),
             };
-            match (
-                self.config.faults.prompt_scores_delay(),
-                self.links.get(&key.0),
-            ) {
-                (Some(delay), Some(entry)) => super::send_later(entry.tx.clone(), frame, delay),
-                _ => self.send(key.0, frame),
-            }
+            let delay = self.config.faults.prompt_scores_delay();
+            self.send_after(key.0, frame, delay);
         }
     }
 
