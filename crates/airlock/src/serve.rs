@@ -7,7 +7,6 @@ use crate::Faults;
 use anyhow::{bail, Context, Result};
 use config::{CapacityError, ContextSetting, KvBudget, ModelShape, PoolPlan};
 use gguf::{ChatTemplate, GgufFile, Tokenizer};
-use kernels::Workers;
 use kv::{PagePool, PoolConfig, PoolSize};
 use model::Model;
 use model_args::{ModelArgs, DEFAULT_MODEL_NAME};
@@ -512,15 +511,16 @@ fn load_worker(
     name: String,
     faults: Faults,
     shared_pool: bool,
-    compute: Option<&Arc<Workers>>,
-) -> Result<(WorkerConfig, Model, Tokenizer, PagePool)> {
+    shared_model: Option<&SharedModel>,
+) -> Result<(WorkerConfig, Arc<Model>, Tokenizer, PagePool)> {
     let started = Instant::now();
-    let loaded = Model::load(&file.path, &args.model.load_options(), &mut |_| {})
-        .with_context(|| format!("loading {}", file.path.display()))?;
-    let mut model = loaded.model;
-    if let Some(compute) = compute {
-        model.share_compute(Arc::clone(compute));
-    }
+    let (model, tokenizer) = match shared_model {
+        Some(shared) => (Arc::clone(&shared.model), shared.tokenizer.clone()),
+        None => {
+            let loaded = load_model(args, file)?;
+            (Arc::new(loaded.model), loaded.tokenizer)
+        }
+    };
     let faults = faults.plan(role)?;
     let preflight = faults.preflight_checked();
     let (plan, context_length) = file.plan(args, model.weight_bytes() as u64, preflight)?;
@@ -574,7 +574,30 @@ fn load_worker(
         faults,
         tracer,
     };
-    Ok((config, model, loaded.tokenizer, pool))
+    Ok((config, model, tokenizer, pool))
+}
+
+fn load_model(args: &CommonArgs, file: &ModelFile) -> Result<model::Loaded> {
+    Model::load(&file.path, &args.model.load_options(), &mut |_| {})
+        .with_context(|| format!("loading {}", file.path.display()))
+}
+
+/// The one model `serve`'s prefill and decode engines run on.
+struct SharedModel {
+    model: Arc<Model>,
+    tokenizer: Tokenizer,
+}
+
+impl SharedModel {
+    /// Loads the model for both engines, merging the passes they run at the same time.
+    fn load(args: &CommonArgs, file: &ModelFile) -> Result<SharedModel> {
+        let mut loaded = load_model(args, file)?;
+        loaded.model.merge_concurrent_passes();
+        Ok(SharedModel {
+            model: Arc::new(loaded.model),
+            tokenizer: loaded.tokenizer,
+        })
+    }
 }
 
 async fn bind(host: &str, port: u16) -> Result<TcpListener> {
@@ -587,11 +610,12 @@ async fn bind(host: &str, port: u16) -> Result<TcpListener> {
 struct WorkerEnv {
     secret: ClusterSecret,
     faults: Faults,
-    /// `serve`'s prefill and decode engines run on one set of compute threads: on their own
-    /// they would run twice as many threads as the machine has cores, each engine's spinning
-    /// between parallel regions taking time from the other's work, and neither could use the
-    /// other's cores while that one is idle.
-    compute: Option<Arc<Workers>>,
+    /// `serve`'s prefill and decode engines run on one model, so on one set of compute
+    /// threads: on their own they would run twice as many threads as the machine has cores,
+    /// each engine's spinning between parallel regions taking time from the other's work,
+    /// and neither could use the other's cores while that one is idle. One model also lets
+    /// the passes the two hand in at the same time run as one (`Model::forward`).
+    shared_model: Option<SharedModel>,
 }
 
 /// Loads and starts a worker on `listeners`; a decode worker listening on a Unix socket
@@ -615,7 +639,7 @@ async fn spawn_worker(
         name,
         env.faults,
         shared_pool,
-        env.compute.as_ref(),
+        env.shared_model.as_ref(),
     )?;
     let worker = start_worker_on(
         config,
@@ -831,7 +855,7 @@ pub fn serve(args: ServeArgs, faults: Faults) -> Result<()> {
     let env = WorkerEnv {
         secret: cluster_secret(&args, true)?,
         faults,
-        compute: Some(Arc::new(Workers::new(args.model.load_options().threads))),
+        shared_model: Some(SharedModel::load(&args, &file)?),
     };
     runtime()?.block_on(async {
         let (decode_listener, decode_addr) = match transport {
@@ -933,7 +957,7 @@ fn run_worker(args: WorkerArgs, role: Role, default_port: u16, faults: Faults) -
     let env = WorkerEnv {
         secret: cluster_secret(&common, false)?,
         faults,
-        compute: None,
+        shared_model: None,
     };
     let file = read_model_file(&common)?;
     let port = common.port.unwrap_or(default_port);
@@ -1004,7 +1028,7 @@ pub fn unified(args: UnifiedArgs, faults: Faults) -> Result<()> {
     let env = WorkerEnv {
         secret: cluster_secret(&args, true)?,
         faults,
-        compute: None,
+        shared_model: None,
     };
     runtime()?.block_on(async {
         let listener = bind("127.0.0.1", 0).await?;

@@ -107,7 +107,9 @@ impl Workers {
     }
 
     /// Waits until no other caller holds a turn, then holds it until the guard drops. Callers
-    /// that share a pool (two engines in one process) take turns by whole forward passes, so
+    /// that share a pool (models on each other's threads, `Model::share_compute`; a model that
+    /// merges its callers' passes takes one turn per merged pass) take turns by whole forward
+    /// passes, so
     /// one pass's regions run back to back on weights and activations still in cache rather
     /// than interleaved with another model's; regions still lock on their own, so a caller
     /// that does not take turns stays correct.

@@ -29,6 +29,10 @@ pub enum Error {
         position: usize,
         context_length: usize,
     },
+    #[error(
+        "the forward pass this step was merged into failed on another thread; retry the request"
+    )]
+    MergedPassFailed,
     #[error("page table holds {capacity} tokens but the step needs {needed}")]
     PageTableTooSmall { needed: usize, capacity: usize },
     #[error(

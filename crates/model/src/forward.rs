@@ -20,6 +20,23 @@ pub struct SeqStep<'a> {
     pub logits: LogitRows,
 }
 
+impl SeqStep<'_> {
+    /// How many logit rows this step adds to its pass's [`Logits`].
+    fn logit_rows(&self) -> usize {
+        match self.logits {
+            LogitRows::None => 0,
+            LogitRows::Last => 1,
+            LogitRows::Every => self.tokens.len(),
+        }
+    }
+}
+
+/// One caller's part of a forward pass: its pool and the steps that read and write it.
+pub(crate) struct PoolSteps<'a, 'p> {
+    pub pool: &'p mut PagePool,
+    pub steps: &'a [SeqStep<'a>],
+}
+
 /// Which rows of a sequence's step give next-token logits (in the step's `Logits`, one row
 /// each, in step order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +118,21 @@ impl Forward for Model {
     }
 }
 
+/// A model shared by several workers (`serve`'s two engines run on one model).
+impl<M: Forward + Sync> Forward for std::sync::Arc<M> {
+    fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits> {
+        M::forward(self, pool, steps)
+    }
+
+    fn kv_layout(&self, page_size_tokens: usize) -> kv::KvLayout {
+        M::kv_layout(self, page_size_tokens)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        M::weight_bytes(self)
+    }
+}
+
 /// The one road from a step to K/V, for every [`Forward`]: checks the steps' tokens and
 /// positions, checks the pool's shape, verifies every page table against the pool's headers
 /// (I1: a stale, foreign or freed page fails the whole step), and refuses a step that would
@@ -178,20 +210,74 @@ impl Model {
     /// Runs one step for every sequence in `steps` and returns the logits of each step that
     /// asked for them, in order. Every page table is verified against the pool's headers before
     /// any K/V is touched (I1): a stale, foreign or freed page fails the whole step.
+    ///
+    /// On a model that merges concurrent passes ([`Model::merge_concurrent_passes`]), steps
+    /// that other threads hand in at the same time run in the same pass, each on its own
+    /// pool; each caller gets its own steps' logits, the bits it would get alone.
     pub fn forward(&self, pool: &mut PagePool, steps: &[SeqStep]) -> Result<Logits> {
         if steps.is_empty() {
             return Ok(Logits::none(self.config.vocab_size));
         }
-        let layout = self.config.kv_layout(pool.layout().page_size_tokens);
-        let c = &self.config;
-        let mut views = checked_views(pool, steps, c.vocab_size, c.context_length, layout)?;
+        if let Some(merger) = &self.merger {
+            return merger.forward(self, pool, steps);
+        }
         let _turn = self.workers.turn();
-        let logits = self.run(steps, &mut views)?;
-        mark_steps_written(steps, &mut views);
-        Ok(logits)
+        let mut parts = [PoolSteps { pool, steps }];
+        let [result] = <[_; 1]>::try_from(self.forward_parts(&mut parts)).expect("one result");
+        result
     }
 
-    fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Result<Logits> {
+    /// Runs every part's steps in one pass, each part on its own pool, and returns each
+    /// part's logits in part order. Each part's tables are verified against its own pool (I1)
+    /// and a part that fails the checks gets its error while the others run. The caller holds
+    /// the compute threads' turn.
+    pub(crate) fn forward_parts(&self, parts: &mut [PoolSteps]) -> Vec<Result<Logits>> {
+        let c = &self.config;
+        let mut results: Vec<Option<Result<Logits>>> = parts.iter().map(|_| None).collect();
+        let mut steps = Vec::new();
+        let mut views = Vec::new();
+        // (part, its range of `steps` and `views`, its logit rows)
+        let mut running = Vec::new();
+        for (index, part) in parts.iter_mut().enumerate() {
+            let layout = c.kv_layout(part.pool.layout().page_size_tokens);
+            match checked_views(
+                part.pool,
+                part.steps,
+                c.vocab_size,
+                c.context_length,
+                layout,
+            ) {
+                Ok(part_views) => {
+                    let start = steps.len();
+                    steps.extend_from_slice(part.steps);
+                    views.extend(part_views);
+                    let rows: usize = part.steps.iter().map(SeqStep::logit_rows).sum();
+                    running.push((index, start..steps.len(), rows));
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
+        }
+        if !running.is_empty() {
+            let mut logits = self.run(&steps, &mut views);
+            // Each part's rows follow the earlier parts'; split them off from the back.
+            let mut row_end = logits.len();
+            for (index, range, rows) in running.into_iter().rev() {
+                mark_steps_written(&steps[range.clone()], &mut views[range]);
+                row_end -= rows;
+                let mine = match row_end {
+                    0 => std::mem::replace(&mut logits, Logits::none(c.vocab_size)),
+                    _ => logits.split_off_rows(row_end),
+                };
+                results[index] = Some(Ok(mine));
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| result.expect("every part ran or failed its checks"))
+            .collect()
+    }
+
+    fn run(&self, steps: &[SeqStep], views: &mut [PageView]) -> Logits {
         let rows: Vec<RowSource> = steps
             .iter()
             .enumerate()
@@ -230,7 +316,7 @@ impl Model {
         }
         // The last layer's FFN output is still to be added, to the rows that give logits.
         let residual = (!self.layers.is_empty()).then_some(&buffers.proj[..]);
-        Ok(self.logits(&buffers.x, residual, &last_rows))
+        self.logits(&buffers.x, residual, &last_rows)
     }
 
     fn buffers(&self, rows: usize) -> Buffers {

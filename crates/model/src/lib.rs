@@ -14,6 +14,7 @@ mod forward;
 mod generate;
 mod load;
 mod logits;
+mod merge;
 mod oracle;
 mod sampling;
 mod stop;
@@ -26,6 +27,7 @@ pub use generate::{
 };
 pub use load::{LoadOptions, LoadProgress, Loaded, Model, WeightReport};
 pub use logits::Logits;
+pub use merge::PassCounts;
 pub use oracle::OracleModel;
 pub use sampling::{logprobs, Sampler, SamplingParams};
 pub use stop::StopMatcher;

@@ -1,3 +1,4 @@
+use crate::merge::{PassCounts, PassMerger, RETURN_GRACE};
 use crate::{Error, ModelConfig, Result};
 use gguf::{ChatTemplate, GgmlType, GgufFile, Tokenizer};
 use kernels::formats::Transcoded;
@@ -76,6 +77,9 @@ pub struct Model {
     /// Shared when another model in the process runs on the same threads
     /// ([`Model::share_compute`]).
     pub(crate) workers: Arc<Workers>,
+    /// Set when several threads run passes on this model at once and should share them
+    /// ([`Model::merge_concurrent_passes`]).
+    pub(crate) merger: Option<PassMerger>,
     pub(crate) weight_report: WeightReport,
 }
 
@@ -238,6 +242,7 @@ impl Model {
             output,
             backend,
             workers: Arc::new(Workers::new(options.threads)),
+            merger: None,
         })
     }
 
@@ -269,6 +274,34 @@ impl Model {
     /// threads as there are cores; either gets all of them while the other is idle.
     pub fn share_compute(&mut self, workers: Arc<Workers>) {
         self.workers = workers;
+    }
+
+    /// Makes passes that several threads hand this model at the same time run as one pass
+    /// over the weights, each caller's steps on its own pool (`serve`'s prefill and decode
+    /// engines on one shared model; `merge.rs` says how and why). A model used by one
+    /// thread at a time has no need of it: its passes run as before.
+    pub fn merge_concurrent_passes(&mut self) {
+        self.merge_concurrent_passes_with_grace(RETURN_GRACE);
+    }
+
+    /// [`Model::merge_concurrent_passes`], with a leader waiting up to `grace` for a caller
+    /// whose pass has just ended (tests: a grace no machine's pause outlasts).
+    #[doc(hidden)]
+    pub fn merge_concurrent_passes_with_grace(&mut self, grace: std::time::Duration) {
+        self.merger = Some(PassMerger::new(grace));
+    }
+
+    /// Passes run and passes merged since [`Model::merge_concurrent_passes`] (`None` when
+    /// the model does not merge).
+    pub fn pass_counts(&self) -> Option<PassCounts> {
+        self.merger.as_ref().map(PassMerger::counts)
+    }
+
+    /// Callers waiting for a pass to take them (tests of merging: to know that callers have
+    /// queued before letting the pass start).
+    #[doc(hidden)]
+    pub fn queued_passes(&self) -> usize {
+        self.merger.as_ref().map_or(0, PassMerger::queued)
     }
 
     /// Bytes of weights held in memory.

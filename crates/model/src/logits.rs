@@ -52,6 +52,16 @@ impl Logits {
         self.rows().next_back()
     }
 
+    /// Moves rows `at..` into a `Logits` of their own, leaving rows `..at` here (a merged
+    /// pass hands each caller its rows; the earliest part keeps the allocation).
+    ///
+    /// Panics if `at` is past the last row.
+    pub(crate) fn split_off_rows(&mut self, at: usize) -> Logits {
+        assert!(at <= self.len(), "row {at} of {} logit rows", self.len());
+        let tail = self.values.split_off(at * self.vocab_size);
+        Logits::from_values(tail, self.vocab_size)
+    }
+
     /// The rows in order.
     pub fn rows(&self) -> std::slice::ChunksExact<'_, f32> {
         self.values.chunks_exact(self.vocab_size)

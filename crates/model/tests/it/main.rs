@@ -6,6 +6,8 @@
 //!   token for token (64 greedy tokens) on every reference prompt of the build they emulate.
 //! - `isolation`: I1 (a forward pass touches only pages its table still owns) and I9 (no page
 //!   leak), and that a batched step does not mix its sequences.
+//! - `merge`: a model that merges concurrent passes gives each caller its own logits, and a
+//!   caller whose pages fail their check fails alone.
 //! - `formats`, `architectures`: every tensor format (SmolLM2 requantized) and every
 //!   architecture (random-weight models) against llama.cpp on the same file.
 //! - `generate`: the generation loop: length and stop endings, admission errors that leave the
@@ -20,5 +22,6 @@ mod exact;
 mod formats;
 mod generate;
 mod isolation;
+mod merge;
 mod prefix;
 mod reference;
