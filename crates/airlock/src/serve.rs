@@ -556,6 +556,8 @@ fn load_worker(
         kv_mib = pool.bytes() >> 20,
         context_length,
         weights = model.weight_report().lines().join(", "),
+        // `serve`: both engines on one model, the passes they hand in together run as one.
+        merges_passes = model.pass_counts().is_some(),
         "worker loaded"
     );
     let service = format!("airlock-{}", router::cluster::role_name(role));

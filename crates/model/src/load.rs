@@ -297,6 +297,16 @@ impl Model {
         self.merger.as_ref().map(PassMerger::counts)
     }
 
+    /// Tests: the next merged pass panics once it has taken its callers' parts, as a bug in
+    /// the forward pass would (what the callers it took get, and that the next pass runs).
+    #[cfg(feature = "test-support")]
+    pub fn panic_in_next_pass(&self) {
+        let merger = self.merger.as_ref().expect("a model that merges passes");
+        merger
+            .panic_next
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Callers waiting for a pass to take them (tests of merging: to know that callers have
     /// queued before letting the pass start).
     #[doc(hidden)]

@@ -31,6 +31,9 @@ pub(crate) struct PassMerger {
     state: Mutex<State>,
     changed: Condvar,
     grace: Duration,
+    /// Tests: the next pass panics once it has taken the queue (`Model::panic_in_next_pass`).
+    #[cfg(feature = "test-support")]
+    pub(crate) panic_next: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -70,7 +73,7 @@ struct LentPart {
 // thread. `PagePool` is `Send` and `SeqStep` is `Sync` (asserted below), and the lender stays
 // blocked in `PassMerger::forward`, its borrows alive and unused, until the leader has posted
 // its result, which the leader does only after the pass that used them has ended (or has
-// unwound: `Posting`).
+// unwound: `Lead`).
 unsafe impl Send for LentPart {}
 
 const _: () = {
@@ -98,7 +101,10 @@ impl PassMerger {
         PassMerger {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            grace,
+            // A bound that keeps `Instant + grace` from overflowing.
+            grace: grace.min(Duration::from_secs(3600)),
+            #[cfg(feature = "test-support")]
+            panic_next: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -146,45 +152,21 @@ impl PassMerger {
                 .wait(state)
                 .unwrap_or_else(PoisonError::into_inner);
         }
-        // No pass is running and ours has not run: it is still queued, and we lead.
+        // No pass is running and ours has not run: it is still queued, and we lead. From here
+        // `Lead` ends the lead whatever happens, unwinding included.
         state.leading = true;
         drop(state);
-        self.lead(model, caller);
+        let mut lead = Lead {
+            merger: self,
+            ticket,
+            taken: Vec::new(),
+            done: false,
+        };
+        lead.run(model, caller);
         self.lock()
             .finished
             .remove(&ticket)
             .expect("the leader's own part ran in its pass")
-    }
-
-    /// Takes the compute threads' turn, then the queue once no caller whose pass just ended is
-    /// still to come back, runs it as one pass and posts each caller's result.
-    fn lead(&self, model: &Model, leader: ThreadId) {
-        let turn = model.workers.turn();
-        let taken = self.take_queue(leader);
-        let mut posting = Posting {
-            merger: self,
-            taken,
-            done: false,
-        };
-        let mut parts: Vec<PoolSteps> = posting
-            .taken
-            .iter()
-            .map(|queued| {
-                // SAFETY: each lender is blocked in `forward` until its result is posted
-                // (`LentPart`); the pointers came from live references, and each pool is
-                // lent by one caller, so these are the only references in use.
-                unsafe {
-                    PoolSteps {
-                        pool: &mut *queued.part.pool.as_ptr(),
-                        steps: &*queued.part.steps.as_ptr(),
-                    }
-                }
-            })
-            .collect();
-        let results = model.forward_parts(&mut parts);
-        drop(parts);
-        drop(turn);
-        posting.post(results);
     }
 
     /// Waits while a caller whose pass ended within the grace (other than `leader`) has not
@@ -217,26 +199,70 @@ impl PassMerger {
     }
 }
 
-/// Hands a pass's results to its callers, and ends the lead: when the pass has run, or when
-/// it unwinds (each caller then gets an error instead of waiting for ever).
-struct Posting<'m> {
+/// A caller's lead of one pass: takes the compute threads' turn, then the queue, runs it as one
+/// pass and posts each caller's result. Dropped without having posted (the leader unwinds), it
+/// still ends the lead: the leader's own part leaves the queue (it points into the unwinding
+/// frame), every other part it took gets an error instead of waiting for ever, and those it
+/// did not take stay queued for the next leader.
+struct Lead<'m> {
     merger: &'m PassMerger,
+    /// The leader's own part.
+    ticket: u64,
     taken: Vec<Queued>,
     done: bool,
 }
 
-impl Posting<'_> {
-    fn post(&mut self, results: Vec<Result<Logits>>) {
-        self.finish(results.into_iter().map(Some).collect());
+impl Lead<'_> {
+    fn run(&mut self, model: &Model, leader: ThreadId) {
+        let turn = model.workers.turn();
+        self.taken = self.merger.take_queue(leader);
+        let mut parts: Vec<PoolSteps> = self
+            .taken
+            .iter()
+            .map(|queued| {
+                // SAFETY: each lender is blocked in `forward` until its result is posted
+                // (`LentPart`); the pointers came from live references, and each pool is
+                // lent by one caller, so these are the only references in use.
+                unsafe {
+                    PoolSteps {
+                        pool: &mut *queued.part.pool.as_ptr(),
+                        steps: &*queued.part.steps.as_ptr(),
+                    }
+                }
+            })
+            .collect();
+        #[cfg(feature = "test-support")]
+        if self
+            .merger
+            .panic_next
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            panic!("a merged pass failed (planted: PassMerger::panic_next)");
+        }
+        let results = model.forward_parts(&mut parts);
+        drop(parts);
+        drop(turn);
+        self.end(results.into_iter().map(Some).collect());
         self.done = true;
     }
 
-    fn finish(&self, results: Vec<Option<Result<Logits>>>) {
+    fn end(&self, results: Vec<Option<Result<Logits>>>) {
         let mut state = self.merger.lock();
         let now = Instant::now();
+        state.queued.retain(|queued| queued.ticket != self.ticket);
         for (queued, result) in self.taken.iter().zip(results) {
-            let result = result.unwrap_or(Err(Error::MergedPassFailed));
-            state.finished.insert(queued.ticket, result);
+            match result {
+                Some(result) => {
+                    state.finished.insert(queued.ticket, result);
+                }
+                // Unwinding: the leader itself takes no result.
+                None if queued.ticket == self.ticket => {}
+                None => {
+                    state
+                        .finished
+                        .insert(queued.ticket, Err(Error::MergedPassFailed));
+                }
+            }
             state
                 .returning
                 .retain(|&(caller, _)| caller != queued.caller);
@@ -247,10 +273,10 @@ impl Posting<'_> {
     }
 }
 
-impl Drop for Posting<'_> {
+impl Drop for Lead<'_> {
     fn drop(&mut self) {
         if !self.done {
-            self.finish(self.taken.iter().map(|_| None).collect());
+            self.end(self.taken.iter().map(|_| None).collect());
         }
     }
 }

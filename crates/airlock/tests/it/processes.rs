@@ -585,7 +585,7 @@ fn lm_evaluation_harness_scores_a_log_likelihood_task_against_serve() {
 
 /// `--log-format json`: every line `serve` writes on stderr, up to its workers' "worker
 /// loaded", is one JSON object with a timestamp, a level and its fields, as log collectors
-/// read them.
+/// read them. Both workers' lines say they run on the model that merges their passes.
 #[test]
 fn json_logs_are_one_object_per_line() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -615,27 +615,40 @@ fn json_logs_are_one_object_per_line() {
     };
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
+        let mut loaded = 0;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let loaded = line.contains("worker loaded");
+            loaded += usize::from(line.contains("worker loaded"));
             let _ = tx.send(line);
-            if loaded {
+            if loaded == 2 {
                 break;
             }
         }
     });
     let mut lines = Vec::new();
+    let mut loaded = Vec::new();
     while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
-        let loaded = line.contains("worker loaded");
+        if line.contains("worker loaded") {
+            loaded.push(line.clone());
+        }
         lines.push(line);
-        if loaded {
+        if loaded.len() == 2 {
             break;
         }
     }
     drop(process);
-    assert!(
-        lines.last().is_some_and(|l| l.contains("worker loaded")),
-        "serve logged its workers loading: {lines:#?}"
+    assert_eq!(
+        loaded.len(),
+        2,
+        "serve logged both workers loading: {lines:#?}"
     );
+    for line in &loaded {
+        let object: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        assert_eq!(
+            object["fields"]["merges_passes"],
+            serde_json::Value::Bool(true),
+            "serve's workers run on one model that merges their passes: {line}"
+        );
+    }
     for line in &lines {
         let object: serde_json::Value = serde_json::from_str(line)
             .unwrap_or_else(|e| panic!("not one JSON object ({e}): {line}"));

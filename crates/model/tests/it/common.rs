@@ -74,7 +74,7 @@ fn load_with(backend: Option<kernels::Backend>) -> Fixture {
     }
 }
 
-/// A second copy of the model, of its own (as `serve` loads one per engine).
+/// A second copy of the model, of its own.
 pub fn another_model() -> Model {
     load_with(None).model
 }

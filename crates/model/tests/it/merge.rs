@@ -24,21 +24,43 @@ fn merging_model(grace: Option<Duration>) -> Model {
     model
 }
 
-/// Prefills `prompt` on `model` in a pool of its own and returns the rows of logits it asked
-/// for; the pool must be whole again afterwards.
+/// Prefills `prompt` on `model` in a pool of its own, then decodes one token after it, and
+/// returns the rows of logits the prefill asked for followed by the decode step's (which
+/// reads the K/V the prefill wrote, so it fails if the prefill's positions were not marked
+/// written in its own pool); the pool must be whole again afterwards.
 fn prefill_rows(model: &Model, prompt: &[u32], rows: LogitRows) -> Vec<Vec<f32>> {
+    try_prefill_rows(model, prompt, rows).expect("prefill and decode")
+}
+
+fn try_prefill_rows(
+    model: &Model,
+    prompt: &[u32],
+    rows: LogitRows,
+) -> Result<Vec<Vec<f32>>, Error> {
     let mut pool = common::pool_for(model, 4 * PAGE_SIZE);
-    let table = pool.allocate(owner(7, 0), prompt.len()).unwrap();
-    let step = SeqStep {
-        table: &table,
-        tokens: prompt,
-        start_pos: 0,
-        logits: rows,
+    let table = pool.allocate(owner(7, 0), prompt.len() + 1).unwrap();
+    let mut run = |tokens: &[u32], start_pos, logits| {
+        let step = SeqStep {
+            table: &table,
+            tokens,
+            start_pos,
+            logits,
+        };
+        model.forward(&mut pool, &[step])
     };
-    let logits = model.forward(&mut pool, &[step]).expect("prefill");
+    let result = run(prompt, 0, rows).and_then(|prefilled| {
+        let mut out: Vec<Vec<f32>> = prefilled.rows().map(<[f32]>::to_vec).collect();
+        let next = common::top_k(out.last().expect("a row"), 1)[0];
+        out.extend(
+            run(&[next], prompt.len(), LogitRows::Last)?
+                .rows()
+                .map(<[f32]>::to_vec),
+        );
+        Ok(out)
+    });
     pool.release(table).expect("release");
     assert_whole(&pool);
-    logits.rows().map(<[f32]>::to_vec).collect()
+    result
 }
 
 fn assert_whole(pool: &PagePool) {
@@ -90,15 +112,13 @@ fn passes_handed_in_together_run_as_one_and_each_caller_gets_its_own_logits() {
     let alone: Vec<_> = (0..2)
         .map(|i| prefill_rows(common::model(), &prompts[i], rows[i]))
         .collect();
-    assert_eq!(alone[0].len(), prompts[0].len());
+    assert_eq!(alone[0].len(), prompts[0].len() + 1);
     let together = run_together(&model, |model, i| prefill_rows(model, &prompts[i], rows[i]));
-    assert_eq!(
-        model.pass_counts(),
-        Some(PassCounts {
-            passes: 1,
-            merged: 1
-        }),
-        "both callers' steps ran in one pass"
+    // The prefills ran as one pass; the decode steps after them as one or two.
+    let counts = model.pass_counts().expect("a merging model");
+    assert!(
+        counts.merged >= 1 && counts.passes <= 3,
+        "both callers' prefills ran in one pass: {counts:?}"
     );
     assert_same_bits(&together[0], &alone[0], "A (every row)");
     assert_same_bits(&together[1], &alone[1], "B (last row)");
@@ -133,10 +153,11 @@ fn a_caller_whose_pages_fail_their_check_fails_alone_and_the_pass_runs_the_other
         }
         _ => Ok(prefill_rows(model, &b_prompt, LogitRows::Last)),
     });
+    // The stale step and B's prefill in one pass, then B's decode step alone.
     assert_eq!(
         model.pass_counts(),
         Some(PassCounts {
-            passes: 1,
+            passes: 2,
             merged: 1
         })
     );
@@ -157,7 +178,7 @@ fn a_caller_whose_pages_fail_their_check_fails_alone_and_the_pass_runs_the_other
 
 /// A caller that leads a pass waits for a caller whose pass has just ended, so that the
 /// second's next step joins the first's pass instead of following it (an engine comes back
-/// between steps). With the wait taken out, B's pass runs alone and the counts say 3 passes.
+/// between steps). With the wait taken out, B's passes run alone and the counts say so.
 #[test]
 fn a_leader_waits_for_a_caller_whose_pass_just_ended() {
     // A grace far longer than the test's own pause, so the wait cannot time out first.
@@ -195,14 +216,50 @@ fn a_leader_waits_for_a_caller_whose_pass_just_ended() {
         assert_same_bits(&first, &alone[0], "A's first pass");
         (again, b.join().expect("B"))
     });
+    // A's prefill and decode alone, then B's prefill with A's second, and their decode steps.
     assert_eq!(
         model.pass_counts(),
         Some(PassCounts {
-            passes: 2,
-            merged: 1
+            passes: 4,
+            merged: 2
         }),
         "B's pass waited for A's next one and ran it too"
     );
     assert_same_bits(&a_again, &alone[0], "A's second pass");
     assert_same_bits(&b_merged, &alone[1], "B");
+}
+
+/// A merged pass that panics (planted) after taking two callers' parts ends its lead: the
+/// leader's panic reaches its own caller, the other caller gets `MergedPassFailed` instead of
+/// waiting for ever, both pools are whole, and the model's next pass runs.
+#[test]
+fn a_merged_pass_that_panics_fails_the_other_caller_and_the_next_pass_runs() {
+    let model = merging_model(None);
+    let prompts = [encode(A_PROMPT), encode(B_PROMPT)];
+    let alone = prefill_rows(common::model(), &prompts[0], LogitRows::Last);
+    model.panic_in_next_pass();
+    let outcomes = run_together(&model, |model, i| {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            try_prefill_rows(model, &prompts[i], LogitRows::Last)
+        }))
+    });
+    let panicked = outcomes.iter().filter(|o| o.is_err()).count();
+    let failed = outcomes
+        .iter()
+        .filter(|o| matches!(o, Ok(Err(Error::MergedPassFailed))))
+        .count();
+    assert_eq!(
+        (panicked, failed),
+        (1, 1),
+        "the leader panics, the other caller gets MergedPassFailed: {:?}",
+        outcomes
+            .iter()
+            .map(|o| o.as_ref().map(|r| r.as_ref().err()))
+            .collect::<Vec<_>>()
+    );
+    assert_same_bits(
+        &prefill_rows(&model, &prompts[0], LogitRows::Last),
+        &alone,
+        "the pass after",
+    );
 }

@@ -146,7 +146,10 @@ impl Engine {
 
     /// A step refused to run: a page check failed (a bug in this worker, or a fault planted
     /// in a test; counted and exported) or the model refused the batch. The checks run before
-    /// any K/V is touched, so nothing was written. The requests whose own pages no longer
+    /// any K/V is touched, so nothing was written; the exception is `MergedPassFailed` (a
+    /// pass this step shared with another engine's panicked midway), which may have written
+    /// K/V past what the pages are marked to hold, slots no later step reads before writing
+    /// them again (`UnwrittenPositions`). The requests whose own pages no longer
     /// verify fail; the others run again next step. If none can be singled out, all fail:
     /// none is answered from what the step might have read.
     fn step_failed(&mut self, error: &model::Error, keys: Vec<Key>) {
