@@ -223,8 +223,9 @@ impl Model {
         }
         let _turn = self.workers.turn();
         let mut parts = [PoolSteps { pool, steps }];
-        let [result] = <[_; 1]>::try_from(self.forward_parts(&mut parts)).expect("one result");
-        result
+        self.forward_parts(&mut parts)
+            .pop()
+            .expect("one part, one result")
     }
 
     /// Runs every part's steps in one pass, each part on its own pool, and returns each
