@@ -275,6 +275,17 @@ thread_local! {
         const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The first `len` values of `scratch`, grown to hold them if it must. What an earlier call
+/// left there is not cleared: the kernels write every query, score and tile value before they
+/// read it. (Clearing a block's scores, up to 2 MiB, cost 1 % of prefill at 8,192 tokens.)
+#[cfg(target_arch = "x86_64")]
+fn at_least(scratch: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if scratch.len() < len {
+        scratch.resize(len, 0.0);
+    }
+    &mut scratch[..len]
+}
+
 impl KvHeadAttention<'_> {
     /// For each query head g of `queries` (`heads × head_dim`, all reading this K/V head),
     /// `out[g] = softmax(scale · K·q_g) · V`, with Q and the probabilities rounded to f16 as
@@ -307,8 +318,7 @@ impl KvHeadAttention<'_> {
         let (head_dim, len) = (self.head_dim, self.len);
         let heads = queries.len() / head_dim;
         ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
-            scratch.clear();
-            scratch.resize(heads * (head_dim + len), 0.0);
+            let scratch = at_least(scratch, heads * (head_dim + len));
             let (q16, probs) = scratch.split_at_mut(heads * head_dim);
             // The reference multiplies Q against the f16 cache in f16: round Q the same way.
             q16.copy_from_slice(queries);
@@ -405,9 +415,8 @@ impl KvHeadAttention<'_> {
             probs_stride: heads * len,
         };
         ATTENTION_SCRATCH.with_borrow_mut(|scratch| {
-            scratch.clear();
             let tile = kernels.positions * head_dim;
-            scratch.resize(rows * width + rows * heads * len + tile, 0.0);
+            let scratch = at_least(scratch, rows * width + rows * heads * len + tile);
             let (q16, rest) = scratch.split_at_mut(rows * width);
             let (probs, tile) = rest.split_at_mut(rows * heads * len);
             for (q16, q) in q16.chunks_exact_mut(width).zip(queries) {

@@ -96,7 +96,8 @@ pub(crate) unsafe fn softmax_row_to_f16(row: &mut [f32]) {
         max = _mm512_max_ps(max, v);
     }
     let max = _mm512_reduce_max_ps(max);
-    // SAFETY: the CPU has avx512f (this function's contract).
+    // SAFETY: the CPU has avx512f and avx512vl (this function's contract); `max` is the
+    // row's largest value.
     let sums = unsafe { crate::expf::x86_512::exp_shifted_lane_sums(row, max) };
     let inv = _mm512_set1_ps((1.0 / crate::ops::fold_lanes(sums)) as f32);
     for chunk in row.chunks_mut(16) {

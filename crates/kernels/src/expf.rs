@@ -317,31 +317,74 @@ pub(crate) mod x86_512 {
         }
     }
 
-    /// `x[i] = expf(x[i] − shift)`, and the f64 sums of the results in 16 lanes: lane l adds
+    /// `x[i] = expf(x[i] − max)`, and the f64 sums of the results in 16 lanes: lane l adds
     /// the values at indices ≡ l (mod 16), in index order (`ops::attention_softmax_rows`).
     ///
+    /// `max` is the largest value of `x` (leaving NaNs aside), so each x[i] − max is at most 0
+    /// or NaN, and the special cases (|x| ≥ 88) are the lanes at or below −88: one compare
+    /// finds them. Each half of 8 goes from its f64 evaluation to its store and its sums
+    /// without being joined into one register. Softmax at long prompts runs at the rate of
+    /// its vector operations, and this takes 4 of every 43 out.
+    ///
     /// # Safety
-    /// The CPU must support avx512f.
-    #[target_feature(enable = "avx512f")]
-    pub(crate) unsafe fn exp_shifted_lane_sums(x: &mut [f32], shift: f32) -> [f64; 16] {
+    /// The CPU must support avx512f and avx512vl.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(crate) unsafe fn exp_shifted_lane_sums(x: &mut [f32], max: f32) -> [f64; 16] {
         let table = table();
-        let shift = _mm512_set1_ps(shift);
+        let shift = _mm512_set1_ps(max);
+        let special_at_or_below = _mm512_set1_ps(-f32::from_bits(SPECIAL_TOP << 20));
         let (mut low, mut high) = (_mm512_setzero_pd(), _mm512_setzero_pd());
         for chunk in x.chunks_mut(16) {
-            // Masked loads and stores touch only the chunk's lanes; the others add +0.
             let lanes = first_lanes(chunk.len());
-            let v = _mm512_maskz_loadu_ps(lanes, chunk.as_ptr());
-            let e = _mm512_maskz_mov_ps(lanes, exp16_with(_mm512_sub_ps(v, shift), &table));
-            _mm512_mask_storeu_ps(chunk.as_mut_ptr(), lanes, e);
-            let halves = _mm512_castps_pd(e);
-            low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-            let upper = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(halves));
-            high = _mm512_add_pd(high, _mm512_cvtps_pd(upper));
+            let (low_lanes, high_lanes) = (lanes as __mmask8, (lanes >> 8) as __mmask8);
+            // Masked loads and stores touch only the chunk's lanes (the upper half's address
+            // is not dereferenced when the chunk has no lanes there).
+            let at = chunk.as_mut_ptr();
+            let at_high = at.wrapping_add(8);
+            let v = _mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, at), shift);
+            let v_high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+            let mut e_low = exp8_wide(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), &table);
+            let mut e_high = exp8_wide(_mm512_cvtps_pd(v_high), &table);
+            let special = _mm512_mask_cmp_ps_mask::<_CMP_NGT_UQ>(lanes, v, special_at_or_below);
+            if special != 0 {
+                (e_low, e_high) = with_special_lanes(v, e_low, e_high, special);
+            }
+            _mm256_mask_storeu_ps(at, low_lanes, e_low);
+            _mm256_mask_storeu_ps(at_high, high_lanes, e_high);
+            low = _mm512_mask_add_pd(low, low_lanes, low, _mm512_cvtps_pd(e_low));
+            high = _mm512_mask_add_pd(high, high_lanes, high, _mm512_cvtps_pd(e_high));
         }
         let mut sums = [0f64; 16];
         _mm512_storeu_pd(sums.as_mut_ptr(), low);
         _mm512_storeu_pd(sums.as_mut_ptr().add(8), high);
         sums
+    }
+
+    /// The halves `e_low`, `e_high` of e^v, with the lanes of `special` replaced by
+    /// [`special`]'s result where it has one (the rare path: it goes through memory).
+    #[inline(never)]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn with_special_lanes(
+        v: __m512,
+        e_low: __m256,
+        e_high: __m256,
+        special_lanes: __mmask16,
+    ) -> (__m256, __m256) {
+        let (mut xs, mut es) = ([0f32; 16], [0f32; 16]);
+        _mm512_storeu_ps(xs.as_mut_ptr(), v);
+        _mm256_storeu_ps(es.as_mut_ptr(), e_low);
+        _mm256_storeu_ps(es.as_mut_ptr().add(8), e_high);
+        for (lane, (e, &x)) in es.iter_mut().zip(&xs).enumerate() {
+            if special_lanes & (1 << lane) != 0 {
+                if let Some(result) = special(x) {
+                    *e = result;
+                }
+            }
+        }
+        (
+            _mm256_loadu_ps(es.as_ptr()),
+            _mm256_loadu_ps(es.as_ptr().add(8)),
+        )
     }
 
     /// `gate[i] = gate[i] / (1 + expf(−gate[i])) · up[i]`, the scalar SwiGLU's operations.

@@ -622,31 +622,49 @@ fn silu_and_softmax_bits_are_the_same_on_every_backend() {
         let rows: Vec<f32> = (0..6)
             .flat_map(|r| finite.iter().map(move |v| v + r as f32 * 0.37))
             .collect();
-        let rows_alone: Vec<f32> = rows
-            .chunks(len)
-            .flat_map(|row| {
-                let mut row = row.to_vec();
-                crate::ops::attention_softmax_rows(Backend::Scalar, &mut row, len);
-                row
+        // And two rows whose values lie 88 and more below their largest (95 or 88.5 beside
+        // ordinary ones: `expf`'s special cases after the shift) and −∞ (a masked position).
+        let spread: Vec<f32> = (0..2)
+            .flat_map(|r| {
+                values.iter().map(move |&v| match v {
+                    f32::INFINITY => f32::NEG_INFINITY,
+                    v => v - r as f32 * 0.37,
+                })
             })
             .collect();
+        let alone = |rows: &[f32]| -> Vec<f32> {
+            rows.chunks(len)
+                .flat_map(|row| {
+                    let mut row = row.to_vec();
+                    crate::ops::attention_softmax_rows(Backend::Scalar, &mut row, len);
+                    row
+                })
+                .collect()
+        };
+        let (rows_alone, spread_alone) = (alone(&rows), alone(&spread));
         // Within an f16 rounding of the plain softmax.
         let mut plain = rows[..len].to_vec();
         softmax_in_place(Backend::Scalar, &mut plain);
         for (i, (&a, &p)) in rows_alone.iter().zip(&plain).enumerate() {
             assert!((a - p).abs() <= p.abs() / 1024.0 + 1e-7, "[{i}] {a} vs {p}");
         }
+        assert!(
+            spread_alone.iter().all(|p| (0.0..=1.0).contains(p)),
+            "probabilities, length {len}"
+        );
         for backend in Backend::available() {
             let (s, p) = run(backend);
             assert_eq!(bits(&s), bits(&silu), "{backend:?} SwiGLU, length {len}");
             assert_eq!(bits(&p), bits(&probs), "{backend:?} softmax, length {len}");
-            let mut together = rows.clone();
-            crate::ops::attention_softmax_rows(backend, &mut together, len);
-            assert_eq!(
-                bits(&together),
-                bits(&rows_alone),
-                "{backend:?} attention softmax, length {len}"
-            );
+            for (rows, alone) in [(&rows, &rows_alone), (&spread, &spread_alone)] {
+                let mut together = rows.clone();
+                crate::ops::attention_softmax_rows(backend, &mut together, len);
+                assert_eq!(
+                    bits(&together),
+                    bits(alone),
+                    "{backend:?} attention softmax, length {len}"
+                );
+            }
         }
     }
 }

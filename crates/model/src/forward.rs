@@ -667,9 +667,9 @@ impl Model {
         });
     }
 
-    /// How many rows of one sequence a prefill attention task takes (`attend_blocks`): as
-    /// many as keep the block's scores (`rows × group × positions` f32) within about a
-    /// quarter of a core's L2, and at least 4 tasks per thread.
+    /// How many rows of one sequence a prefill attention task takes (`attend_blocks`): up to
+    /// [`MAX_ROWS_PER_BLOCK`], fewer where the block's scores (`rows × group × positions`
+    /// f32) would pass [`BLOCK_SCORES_BYTES`], and at least 4 tasks per thread.
     fn rows_per_block(&self, rows: &[RowSource]) -> usize {
         let c = &self.config;
         let positions = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
@@ -879,11 +879,17 @@ impl Model {
     }
 }
 
-/// The most bytes of scores a prefill attention block keeps (`Model::rows_per_block`).
-const BLOCK_SCORES_BYTES: usize = 512 << 10;
-/// The most rows in a prefill attention block: past this the keys and values are widened
-/// rarely enough that more rows only cost balance between threads.
-const MAX_ROWS_PER_BLOCK: usize = 16;
+/// The most bytes of scores a prefill attention block keeps (`Model::rows_per_block`): 10
+/// rows of SmolLM2's 3 query heads at 16,384 positions. Past the model's 8,192 positions
+/// nothing was measured to choose it by.
+const BLOCK_SCORES_BYTES: usize = 2 << 20;
+/// The most rows in a prefill attention block. Each run of keys and values is widened from
+/// f16 once per block, so more rows widen less; past 10, the rows' scores crowd the keys and
+/// values out of the caches. `examples/prefill_attention_speed` (one thread, one K/V head,
+/// 2026-12-07, the 2-core AMD EPYC VM), µs per row against 16 rows:
+/// 8,192 positions 87.5 vs 92.1 (and 97.3 with 5 rows, what a 512 KiB limit on the scores
+/// gave), 4,096 40.5 vs 41.5, 2,048 19.2 vs 19.5, 512 3.04 vs 3.09.
+const MAX_ROWS_PER_BLOCK: usize = 10;
 
 /// `rows` cut into blocks of at most `max` rows, each of one sequence at consecutive
 /// positions, in order.
