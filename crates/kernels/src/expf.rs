@@ -84,6 +84,16 @@ pub fn expf(x: f32) -> f32 {
     (y * s) as f32
 }
 
+/// `es[i]` = [`special`]`(xs[i])` where that has a result: the SIMD paths' rare lanes, patched
+/// after the main path ran on every lane.
+fn replace_special(xs: &[f32], es: &mut [f32]) {
+    for (e, &x) in es.iter_mut().zip(xs) {
+        if let Some(special) = special(x) {
+            *e = special;
+        }
+    }
+}
+
 /// The result for |x| ≥ 88, NaN and ∞ where it is not the main path's.
 fn special(x: f32) -> Option<f32> {
     if x == f32::NEG_INFINITY {
@@ -151,11 +161,7 @@ pub(crate) mod x86 {
         let (mut xs, mut es) = ([0f32; 8], [0f32; 8]);
         _mm256_storeu_ps(xs.as_mut_ptr(), x);
         _mm256_storeu_ps(es.as_mut_ptr(), e);
-        for (e, &x) in es.iter_mut().zip(&xs) {
-            if let Some(special) = special(x) {
-                *e = special;
-            }
-        }
+        replace_special(&xs, &mut es);
         _mm256_loadu_ps(es.as_ptr())
     }
 
@@ -286,11 +292,7 @@ pub(crate) mod x86_512 {
         let (mut xs, mut es) = ([0f32; 16], [0f32; 16]);
         _mm512_storeu_ps(xs.as_mut_ptr(), x);
         _mm512_storeu_si512(es.as_mut_ptr() as *mut __m512i, e);
-        for (e, &x) in es.iter_mut().zip(&xs) {
-            if let Some(special) = special(x) {
-                *e = special;
-            }
-        }
+        replace_special(&xs, &mut es);
         _mm512_loadu_ps(es.as_ptr())
     }
 
@@ -347,7 +349,7 @@ pub(crate) mod x86_512 {
             let mut e_high = exp8_wide(_mm512_cvtps_pd(v_high), &table);
             let special = _mm512_mask_cmp_ps_mask::<_CMP_NGT_UQ>(lanes, v, special_at_or_below);
             if special != 0 {
-                (e_low, e_high) = with_special_lanes(v, e_low, e_high, special);
+                (e_low, e_high) = with_special_lanes(v, e_low, e_high);
             }
             _mm256_mask_storeu_ps(at, low_lanes, e_low);
             _mm256_mask_storeu_ps(at_high, high_lanes, e_high);
@@ -360,27 +362,17 @@ pub(crate) mod x86_512 {
         sums
     }
 
-    /// The halves `e_low`, `e_high` of e^v, with the lanes of `special` replaced by
-    /// [`special`]'s result where it has one (the rare path: it goes through memory).
+    /// The halves `e_low`, `e_high` of e^v, each lane replaced by [`special`]'s result where
+    /// it has one (the rare path: it goes through memory). Lanes past the chunk may be
+    /// replaced too; they are neither stored nor summed.
     #[inline(never)]
     #[target_feature(enable = "avx512f,avx512vl")]
-    unsafe fn with_special_lanes(
-        v: __m512,
-        e_low: __m256,
-        e_high: __m256,
-        special_lanes: __mmask16,
-    ) -> (__m256, __m256) {
+    unsafe fn with_special_lanes(v: __m512, e_low: __m256, e_high: __m256) -> (__m256, __m256) {
         let (mut xs, mut es) = ([0f32; 16], [0f32; 16]);
         _mm512_storeu_ps(xs.as_mut_ptr(), v);
         _mm256_storeu_ps(es.as_mut_ptr(), e_low);
         _mm256_storeu_ps(es.as_mut_ptr().add(8), e_high);
-        for (lane, (e, &x)) in es.iter_mut().zip(&xs).enumerate() {
-            if special_lanes & (1 << lane) != 0 {
-                if let Some(result) = special(x) {
-                    *e = result;
-                }
-            }
-        }
+        replace_special(&xs, &mut es);
         (
             _mm256_loadu_ps(es.as_ptr()),
             _mm256_loadu_ps(es.as_ptr().add(8)),
